@@ -1,0 +1,95 @@
+"""Build a tiny Qwen2 model and a character-level tokenizer locally (no download), for tests and the demo.
+
+The CPU attention of vLLM 0.32 accepts head_dim in {32, 64, 80, ...} only, so hidden/heads is 32 here.
+"""
+import argparse
+import string
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Single tokens but NOT special: vLLM decodes with skip_special_tokens=True, which would erase special tags.
+TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
+# Qwen-style chat template, so the chat-template code path runs on the tiny model too.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character, plus the special tokens as single tokens."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + TAG_TOKENS + ["<unk>"] + list(string.printable))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens(TAG_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   unk_token="<unk>", chat_template=CHAT_TEMPLATE)
+
+
+def build_model(tokenizer, *, hidden=128, layers=2, heads=4, seed=0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=1024, tie_word_embeddings=True,
+                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    return Qwen2ForCausalLM(config).float()
+
+
+def warm_start(model, tokenizer, samples, *, steps=200, lr=3e-3, batch_size=32, seed=0, log_every=0):
+    """Brief supervised training on prompt + "<answer>N</answer>" + EOS, loss on the completion tokens only.
+
+    samples: dicts with "prompt" and "answer" (demo.task.make_samples). Batches are drawn with replacement by a
+    generator seeded with seed; AdamW with linear warm-up (10% of steps) and linear decay. Returns the model
+    (trained in place, left in eval mode).
+    """
+    from demo.task import format_completion
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for s in samples:
+        p = tokenizer(s["prompt"], add_special_tokens=False).input_ids
+        c = tokenizer(format_completion(s["answer"]), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        rows.append((p + c, [-100] * len(p) + c))
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (x, y) in enumerate(rows):
+        ids[i, :len(x)], labels[i, :len(y)], mask[i, :len(x)] = torch.tensor(x), torch.tensor(y), 1
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warm = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: min((k + 1) / warm, max(0.0, (steps - k) / max(1, steps - warm))))
+    model.train()
+    for step in range(steps):
+        idx = torch.randint(len(rows), (batch_size,), generator=g)
+        loss = model(input_ids=ids[idx], attention_mask=mask[idx], labels=labels[idx]).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if log_every and (step + 1) % log_every == 0:
+            print(f"warm-start step {step + 1}/{steps} loss {loss.item():.4f}", flush=True)
+    model.eval()
+    return model
+
+
+def save(model, tokenizer, out_dir):
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", required=True, help="folder to write the HF-format model and tokenizer to")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed")
+    a = p.parse_args()
+    tok = build_tokenizer()
+    save(build_model(tok, seed=a.seed), tok, a.out)
+    print(a.out)

