@@ -11,9 +11,10 @@ nothing is unpickled. Request: int32 `input_ids` (every sequence's prompt+comple
 `seq_lens` (B,) and int32 `prompt_lens` (B,), metadata {"temperature": "1.0"}. Answer: float32 `logps`, each
 sequence's completion-token log-probs concatenated.
 
-Status codes: 400 malformed request; 401 missing/wrong token (only with --token); 404 unknown path;
-405 wrong method; 411 no Content-Length; 413 body over --max-body-mb, or more than --max-seqs sequences or
---max-tokens tokens (split the batch); 500 server bug. Every error body is {"error": "..."}.
+Status codes: 400 malformed request or Content-Length; 401 missing/wrong token (only with --token);
+404 unknown path; 405 wrong method; 411 no Content-Length; 413 body over --max-body-mb, or more than
+--max-seqs sequences or --max-tokens tokens (split the batch); 500 server bug. Every error body is
+{"error": "..."}. A --host other than loopback needs a token (--token or $REF_SERVER_TOKEN), or --insecure.
 
 This module is imported by the trainer for the wire helpers and the client (ref_logps), so importing it
 must stay cheap: no model, no server, no grpo_train import at the top.
@@ -21,6 +22,7 @@ must stay cheap: no model, no server, no grpo_train import at the top.
 import argparse
 import hashlib
 import hmac
+import ipaddress
 import json
 import math
 import os
@@ -64,12 +66,13 @@ def _load(body: bytes) -> tuple[dict, dict]:
     if not body:
         raise WireError("empty body")
     try:
-        tensors = st_load(body)
-    except Exception as e:  # SafetensorError, or torch refusing a dtype: all mean "bad bytes"
-        raise WireError(f"not a valid safetensors body: {e}") from e
-    # st_load validated the header already; it just does not return the metadata, so read it here
-    n = int.from_bytes(body[:8], "little")
-    return tensors, json.loads(body[8:8 + n]).get("__metadata__") or {}
+        tensors = st_load(body)  # checks the header and that offsets, shapes and dtypes match the bytes
+        # st_load does not return the metadata, so read it from the header it has just validated
+        meta = json.loads(body[8:8 + int.from_bytes(body[:8], "little")]).get("__metadata__") or {}
+    except Exception as e:  # SafetensorError, torch refusing a dtype or shape, json: all mean "bad bytes"
+        first_line = str(e).partition("\n")[0][:200]  # torch's C++ errors go on with a backtrace: keep it here
+        raise WireError(f"not a valid safetensors body: {first_line}") from e
+    return tensors, meta
 
 
 def _check_1d_int32(tensors, name):
@@ -190,6 +193,22 @@ def wait_for_server(url, timeout=120.0, interval=0.5) -> dict:
 
 # ----------------------------------------------------------------------------- model side
 
+def exposure_error(host, token, insecure) -> str | None:
+    """Why serving on `host` is refused, or None. A host other machines can reach needs a token or --insecure.
+
+    Loopback is 'localhost', 127.0.0.0/8 and ::1; anything else (0.0.0.0, a LAN address, a host name that
+    could resolve to one) is treated as reachable."""
+    if token or insecure or host.lower() == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # not an IP address: a host name
+        pass
+    return (f"--host {host} is reachable from other machines, but no token is set: anyone who can reach the "
+            "port could use the server. Set REF_SERVER_TOKEN (or --token), bind 127.0.0.1, or pass --insecure.")
+
+
 def model_fingerprint(model) -> str:
     """Short hash of the architecture + a few embedding values, to check trainer and server hold the same model.
 
@@ -240,7 +259,7 @@ def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, toke
 
     def json_error(res):  # every error, bottle's own 404/405/500 included, as one line of JSON
         bottle.response.content_type = "application/json"
-        return json.dumps({"error": str(res.body)})
+        return json.dumps({"error": str(res.body)[:500]})  # bounded: some messages quote the request
     app.default_error_handler = json_error
 
     @app.get("/health")
@@ -252,9 +271,12 @@ def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, toke
         auth = bottle.request.get_header("Authorization", "").encode()
         if token and not hmac.compare_digest(auth, f"Bearer {token}".encode()):
             bottle.abort(401, "missing or wrong bearer token")
-        n = bottle.request.content_length  # -1 when absent
-        if n < 0:
+        length = bottle.request.environ.get("CONTENT_LENGTH", "")
+        if not length:
             bottle.abort(411, "Content-Length required")
+        if not (length.isascii() and length.isdigit()):  # bottle.request.content_length would raise: a 500
+            bottle.abort(400, f"bad Content-Length {length[:20]!r}")
+        n = int(length)
         if n > max_body:  # refuse before reading a byte of it
             bottle.abort(413, f"body of {n} bytes > limit {max_body}")
         body = bottle.request.environ["wsgi.input"].read(n)  # n <= max_body: bounded read
@@ -299,7 +321,11 @@ def main(argv=None):
                    help="weights dtype; auto = float32 on cpu, bfloat16 on cuda")
     p.add_argument("--token", default=os.environ.get("REF_SERVER_TOKEN"),
                    help="require 'Authorization: Bearer TOKEN' on /logps (default: $REF_SERVER_TOKEN, else none)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without a token (only on a network you trust)")
     a = p.parse_args(argv)
+    if err := exposure_error(a.host, a.token, a.insecure):
+        p.error(err)  # exits with status 2, before loading anything or binding the port
     torch.set_num_threads(a.threads)  # oversubscribed shared cores make everything 10-100x slower
     model = load_model(a.model, a.device, a.dtype)
     # Import grpo_train now rather than on the first request: a broken import fails at startup, not as a 500,

@@ -33,25 +33,24 @@ def main(argv=None):
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", default="runs/demo", help="model, metrics.jsonl and plot go here")
-    p.add_argument("--steps", type=int, default=120, help="GRPO optimizer steps")
-    p.add_argument("--eval-every", type=int, default=20, help="held-out evaluation every N steps")
+    p.add_argument("--steps", type=int, default=60, help="GRPO optimizer steps")
+    p.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N steps")
     p.add_argument("--world-size", type=int, default=1, help="training processes (deepspeed --num_gpus)")
-    p.add_argument("--warm-start-steps", type=int, default=None, help="override the warm start's length")
+    p.add_argument("--model", default=None, help="use this warm-started model instead of building one")
     p.add_argument("--seed", type=int, default=0, help="seed for the model, warm start and run")
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     t_start = time.time()
     out = os.path.abspath(a.out_dir)
-    model_dir = os.path.join(out, "model")
+    model_dir = a.model or os.path.join(out, "model")
     os.makedirs(out, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                   os.path.join(sys.prefix, "torch_extensions"))}
 
     # 1. the tiny model, warm-started
-    cmd = [sys.executable, "-m", "demo.tiny_model", "--out", model_dir, "--seed", str(a.seed)]
-    if a.warm_start_steps is not None:
-        cmd += ["--warm-start-steps", str(a.warm_start_steps)]
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True)
+    if not a.model:
+        subprocess.run([sys.executable, "-m", "demo.tiny_model", "--out", model_dir, "--seed", str(a.seed)],
+                       cwd=ROOT, env=env, check=True)
 
     # 2. the reference server, on loopback (one thread: the two cores belong to the trainer and vLLM)
     from ref_server import wait_for_server

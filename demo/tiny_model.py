@@ -19,6 +19,10 @@ CHAT_TEMPLATE = (
 )
 
 
+# The demo recipe (see demo/task.py): model size and warm start, the CLI's defaults.
+DEMO = dict(hidden=128, layers=2, heads=4, steps=1200, lr=3e-3, batch_size=32)
+
+
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """One token per printable ASCII character, plus the special tokens as single tokens."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + TAG_TOKENS + ["<unk>"] + list(string.printable))}
@@ -31,9 +35,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                    unk_token="<unk>", chat_template=CHAT_TEMPLATE)
 
 
-def build_model(tokenizer, *, hidden=128, layers=2, heads=4, seed=0) -> Qwen2ForCausalLM:
+def build_model(tokenizer, *, hidden=128, layers=2, heads=4, intermediate=None, seed=0) -> Qwen2ForCausalLM:
+    """intermediate: MLP width (4 * hidden when None)."""
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                          max_position_embeddings=1024, tie_word_embeddings=True,
                          bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
@@ -41,7 +46,7 @@ def build_model(tokenizer, *, hidden=128, layers=2, heads=4, seed=0) -> Qwen2For
     return Qwen2ForCausalLM(config).float()
 
 
-def warm_start(model, tokenizer, samples, *, steps=200, lr=3e-3, batch_size=32, seed=0, log_every=0):
+def warm_start(model, tokenizer, samples, *, steps=200, lr=3e-3, batch_size=32, seed=0, clip=0.0, log_every=0):
     """Brief supervised training on prompt + "<answer>N</answer>" + EOS, loss on the completion tokens only.
 
     samples: dicts with "prompt" and "answer" (demo.task.make_samples). Batches are drawn with replacement by a
@@ -71,6 +76,8 @@ def warm_start(model, tokenizer, samples, *, steps=200, lr=3e-3, batch_size=32, 
         loss = model(input_ids=ids[idx], attention_mask=mask[idx], labels=labels[idx]).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         sched.step()
         if log_every and (step + 1) % log_every == 0:
@@ -85,11 +92,38 @@ def save(model, tokenizer, out_dir):
     return out_dir
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__)
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Build a tiny Qwen2 model + char tokenizer, warm-start it on the demo "
+                                "task's sloppy-teacher demonstrations, and save it (float32, HF format).")
     p.add_argument("--out", required=True, help="folder to write the HF-format model and tokenizer to")
-    p.add_argument("--seed", type=int, default=0, help="initialisation seed")
-    a = p.parse_args()
+    p.add_argument("--seed", type=int, default=0, help="initialisation and warm-start seed")
+    p.add_argument("--hidden", type=int, default=DEMO["hidden"])
+    p.add_argument("--layers", type=int, default=DEMO["layers"])
+    p.add_argument("--heads", type=int, default=DEMO["heads"], help="hidden/heads must be a head size vLLM's CPU "
+                   "attention accepts (32, 64, 80, 96, 112, 128, ...)")
+    p.add_argument("--warm-start-steps", type=int, default=DEMO["steps"], help="0: save the untrained model")
+    p.add_argument("--lr", type=float, default=DEMO["lr"])
+    p.add_argument("--batch-size", type=int, default=DEMO["batch_size"])
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (fixed, so that runs are repeatable)")
+    p.add_argument("--eval", action="store_true", help="print the held-out greedy accuracy after the warm start")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
     tok = build_tokenizer()
-    save(build_model(tok, seed=a.seed), tok, a.out)
+    model = build_model(tok, hidden=a.hidden, layers=a.layers, heads=a.heads, seed=a.seed)
+    if a.warm_start_steps > 0:
+        import time
+        from demo.task import make_samples, teacher_samples
+        t = time.time()
+        warm_start(model, tok, teacher_samples(make_samples("train")), steps=a.warm_start_steps, lr=a.lr,
+                   batch_size=a.batch_size, seed=a.seed, log_every=max(1, a.warm_start_steps // 5))
+        print(f"warm start: {a.warm_start_steps} steps in {time.time() - t:.1f}s", flush=True)
+        if a.eval:
+            from demo.evaluate import accuracy
+            acc, d = accuracy(model, tok, make_samples("test"), return_details=True)
+            print(f"held-out greedy accuracy {acc:.3f}, format {d['format']:.3f}", flush=True)
+    save(model, tok, a.out)
     print(a.out)
+
+
+if __name__ == "__main__":
+    main()

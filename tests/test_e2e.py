@@ -8,6 +8,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 REQUIRED = ["step", "reward/mean", "reward/demo", "kl", "loss", "clip_frac", "completion_len/mean", "frac_zero_std",
             "stale_dropped", "policy_lag", "sync/logp_diff", "time/gen_s", "time/train_s"]
 
@@ -22,9 +23,10 @@ def run_demo(out_dir, *args, timeout=600):
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_short_run_finishes_logs_checkpoints_and_learns(tmp_path, world_size):
+def test_short_run_finishes_logs_checkpoints_and_learns(tmp_path, demo_model, world_size):
     steps = 30
-    stdout, rows = run_demo(tmp_path, "--steps", str(steps), "--eval-every", "10", "--world-size", str(world_size))
+    stdout, rows = run_demo(tmp_path, "--model", demo_model, "--steps", str(steps), "--eval-every", "10",
+                            "--world-size", str(world_size))
     assert [r["step"] for r in rows] == list(range(1, steps + 1))   # one line per optimizer step
     for r in rows:
         assert all(k in r for k in REQUIRED), sorted(set(REQUIRED) - set(r))

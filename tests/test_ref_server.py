@@ -12,11 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 import torch
+from hypothesis import given, settings
 from safetensors.torch import save as st_save
 
 from grpo_train import completion_logps, pad_batch
 from ref_server import (RefServerError, WireError, decode_request, decode_response, encode_request,
-                        encode_response, model_fingerprint, ref_logps, wait_for_server)
+                        encode_response, exposure_error, model_fingerprint, ref_logps, wait_for_server)
+from test_ref_server_fuzz import any_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V = 108  # tiny model's vocab
@@ -34,9 +36,13 @@ def body(ids, seq_lens, prompt_lens, temperature="1.0", dtype=torch.int32, extra
     return st_save(t, metadata=None if temperature is None else {"temperature": temperature})
 
 
-def raw(header, data):  # a hand-made safetensors buffer, for what safetensors.torch.save refuses to write
-    h = json.dumps(header).encode()
+def raw(header, data=b""):  # a hand-made safetensors buffer, for what safetensors.torch.save refuses to write
+    h = header if isinstance(header, bytes) else json.dumps(header).encode()
     return len(h).to_bytes(8, "little") + h + data
+
+
+def i32(n, start, end):  # a header entry
+    return {"dtype": "I32", "shape": [n], "data_offsets": [start, end]}
 
 
 GOOD = encode_request([[1, 2], [3]], [[4], [5, 6]], 1.0)
@@ -45,8 +51,23 @@ BAD = [
     ("empty", b"", 400, "empty"),
     ("garbage", b"hello, this is not safetensors", 400, "safetensors"),
     ("truncated", GOOD[:-3], 400, "safetensors"),
+    ("truncated-in-header", GOOD[:20], 400, "safetensors"),
+    ("header-length-huge", (2**62).to_bytes(8, "little") + GOOD[8:], 400, "safetensors"),
+    ("header-length-past-end", len(GOOD).to_bytes(8, "little") + GOOD[8:], 400, "safetensors"),
+    ("header-not-json", raw(b'{"input_ids": {"dtype": "I32", "shape": [2]', bytes(8)), 400, "safetensors"),
+    ("header-not-utf8", raw(b'{"\xff": 1}'), 400, "safetensors"),
+    ("header-not-object", raw(b"[1, 2]"), 400, "safetensors"),
     ("unknown-dtype", raw({"input_ids": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, bytes(8)), 400,
      "safetensors"),
+    ("shape-vs-bytes", raw({"input_ids": i32(3, 0, 8), "seq_lens": i32(1, 8, 12), "prompt_lens": i32(1, 12, 16)},
+                           bytes(16)), 400, "safetensors"),
+    ("offsets-past-end", raw({"input_ids": i32(2, 0, 8), "seq_lens": i32(1, 8, 12), "prompt_lens": i32(1, 12, 20)},
+                             bytes(16)), 400, "safetensors"),
+    ("huge-shape", raw({"input_ids": {"dtype": "I32", "shape": [2**40], "data_offsets": [0, 2**42]}}, bytes(8)),
+     400, "safetensors"),
+    # 0 bytes, so safetensors agrees, but torch refuses the shape with a C++ backtrace: only its first line is sent
+    ("huge-empty-shape", raw({"input_ids": {"dtype": "I32", "shape": [2**63, 0], "data_offsets": [0, 0]}}), 400,
+     "Overflow"),
     ("int64-ids", body([1, 2], [2], [1], dtype=torch.int64), 400, "int32"),
     ("float-ids", body([1, 2], [2], [1], dtype=torch.float32), 400, "int32"),
     ("2d-ids", body([[1, 2]], [2], [1]), 400, "1-D"),
@@ -59,6 +80,8 @@ BAD = [
     ("prompt-len-0", body([1, 2], [2], [0]), 400, "prompt_len"),
     ("negative-prompt-len", body([1, 2], [2], [-1]), 400, "prompt_len"),
     ("no-completion", body([1, 2], [2], [2]), 400, "prompt_len"),
+    ("prompt-len-too-long", body([1, 2], [2], [3]), 400, "prompt_len"),
+    ("negative-seq-len", body([1, 2], [3, -1], [1, 1]), 400, "seq_lens must be > 0"),
     ("id-too-big", body([1, V], [2], [1]), 400, "token ids"),
     ("id-negative", body([-1, 2], [2], [1]), 400, "token ids"),
     ("temperature-0", body([1, 2], [2], [1], temperature="0"), 400, "temperature"),
@@ -104,26 +127,60 @@ def free_port():
         return s.getsockname()[1]
 
 
+def env_without_token():
+    return {k: v for k, v in os.environ.items() if k != "REF_SERVER_TOKEN"}
+
+
+def spawn_server(model_path, log_path, *args, env=None):
+    """Start ref_server.py on a free loopback port, not waiting for it -> (proc, url, log file)."""
+    port = free_port()
+    log = open(log_path, "w")
+    cmd = [sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", model_path, "--port", str(port),
+           "--threads", "1", *args]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env_without_token() if env is None else env)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def stop_server(proc, log):
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+def wait_up(proc, url, log, timeout=120):
+    """URL of the server once /health answers; fails the test (with the server's log) if it dies or is slow."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"ref_server did not come up (exit {proc.poll()}):\n{server_log(log)}")
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return url
+        except requests.ConnectionError:
+            time.sleep(0.2)
+
+
+def server_log(log):
+    log.flush()
+    with open(log.name) as f:  # a second handle: seeking the server's own would move where it writes
+        return f.read()
+
+
 @pytest.fixture(scope="module")
 def server_proc(tiny_model, tmp_path_factory):
     """Start the server (not waiting for it, so the slow boot overlaps other setup); kill it at module end."""
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("ref_server") / "log.txt", "w+")
-    cmd = [sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", tiny_model, "--port", str(port),
-           "--threads", "1", "--micro-batch", "2", "--max-seqs", "16", "--max-tokens", "2000",
-           "--max-body-mb", "0.05"]
     # the token goes through the environment, so it is not visible in `ps`
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
+    proc, url, log = spawn_server(tiny_model, tmp_path_factory.mktemp("ref_server") / "log.txt", "--micro-batch", "2",
+                                  "--max-seqs", "16", "--max-tokens", "2000", "--max-body-mb", "0.05",
+                                  env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
     try:
-        yield proc, f"http://127.0.0.1:{port}", log
+        yield proc, url, log
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        stop_server(proc, log)
 
 
 @pytest.fixture(scope="module")
@@ -136,17 +193,7 @@ def model(tiny_model):
 @pytest.fixture(scope="module")
 def server(server_proc, model):
     """URL of the running server, once /health answers (bounded wait; the server's log on failure)."""
-    proc, url, log = server_proc
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            log.seek(0)
-            pytest.fail(f"ref_server did not come up (exit {proc.poll()}):\n{log.read()}")
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                return url
-        except requests.ConnectionError:
-            time.sleep(0.2)
+    return wait_up(*server_proc)
 
 
 def local_logps(model, prompts, completions, temperature):
@@ -166,10 +213,41 @@ def assert_json_error(r, status, msg=""):
     assert msg in r.json()["error"] and "\n" not in r.text
 
 
+def assert_serves(url, model):
+    """A good request after whatever came before: still answered, still right."""
+    got = ref_logps(url, [[1, 2], [3]], [[4], [5, 6]], 1.0, token=TOKEN, retries=0)
+    for g, w in zip(got, local_logps(model, [[1, 2], [3]], [[4], [5, 6]], 1.0)):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+
+
 def test_import_is_light(server_proc):  # server_proc: runs while the server boots
     # the trainer imports ref_server at its top: that must not pull in transformers/grpo_train or start anything
     code = "import sys, ref_server; assert not {'transformers', 'grpo_train'} & set(sys.modules), sys.modules.keys()"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+@pytest.mark.parametrize("host,token,insecure,refused", [
+    ("127.0.0.1", None, False, False), ("127.4.5.6", None, False, False), ("::1", None, False, False),
+    ("localhost", None, False, False), ("LocalHost", None, False, False),
+    ("0.0.0.0", None, False, True), ("", None, False, True), ("::", None, False, True),
+    ("192.168.1.20", None, False, True), ("10.0.0.1", "", False, True),  # an empty token is no token
+    ("gpu-node-3", None, False, True),  # a host name could resolve to anything
+    ("0.0.0.0", "t0k", False, False), ("0.0.0.0", None, True, False),
+])
+def test_exposure_error(host, token, insecure, refused):
+    err = exposure_error(host, token, insecure)
+    assert (err is not None) == refused
+    if refused:
+        assert f"--host {host} " in err and "REF_SERVER_TOKEN" in err and "--insecure" in err
+
+
+def test_refuses_network_host_without_token(server_proc):  # server_proc: runs while the server boots
+    # exits before loading the model or binding the port: a missing model would fail with a traceback
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", "/nonexistent",
+                        "--host", "0.0.0.0", "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60, env=env_without_token())
+    assert r.returncode == 2 and "--host 0.0.0.0 is reachable from other machines" in r.stderr, r.stderr
+    assert "--insecure" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_health(server, model, tiny_model):
@@ -203,47 +281,67 @@ def test_concurrent_requests(server, model):
 @pytest.mark.parametrize("name,data,status,msg", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_then_good(server, model, name, data, status, msg):
     assert_json_error(post(server, data), status, msg)
-    got = ref_logps(server, [[1, 2], [3]], [[4], [5, 6]], 1.0, token=TOKEN)  # still serving, still right
-    for g, w in zip(got, local_logps(model, [[1, 2], [3]], [[4], [5, 6]], 1.0)):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    assert_serves(server, model)
 
 
-def raw_post(url, headers):
-    """POST headers only (no body), so we can claim any Content-Length, or none."""
+def raw_request(url, headers, method="POST", path="/logps"):
+    """Send headers only (no body), so we can claim any Content-Length, or none -> (status, JSON error)."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
     try:
-        conn.putrequest("POST", "/logps")
+        conn.putrequest(method, path, skip_accept_encoding=True)
         for k, v in headers.items():
             conn.putheader(k, v)
         conn.endheaders()
         r = conn.getresponse()
-        return r.status, json.loads(r.read())
+        text = r.read().decode()
+        assert r.getheader("Content-Type").startswith("application/json") and "\n" not in text, text
+        return r.status, json.loads(text)["error"]
     finally:
         conn.close()
 
 
-def test_body_limits(server):
+def test_body_limits(server, model):
     auth = {"Authorization": f"Bearer {TOKEN}"}
+    limit = int(0.05 * 2**20)
     # over --max-body-mb: refused from the header alone, before any byte of the body is read
-    status, err = raw_post(server, {**auth, "Content-Length": str(int(0.05 * 2**20) + 1)})
-    assert status == 413 and "limit" in err["error"]
-    status, err = raw_post(server, auth)  # no Content-Length
-    assert status == 411 and "Content-Length" in err["error"]
-    assert post(server, GOOD).status_code == 200
+    status, err = raw_request(server, {**auth, "Content-Length": str(limit + 1)})
+    assert status == 413 and "limit" in err
+    status, err = raw_request(server, {**auth, "Content-Length": "9" * 40})
+    assert status == 413 and "limit" in err
+    # ... and when the client does send it all (the answer still arrives, though the body is never read)
+    assert_json_error(post(server, GOOD + bytes(limit)), 413, f"> limit {limit}")
+    status, err = raw_request(server, auth)  # no Content-Length
+    assert status == 411 and "Content-Length" in err
+    for bad in ("abc", "-5", "+5", "1e3", "0x10", "²"):  # bottle.request.content_length would 500 on these
+        status, err = raw_request(server, {**auth, "Content-Length": bad})
+        assert status == 400 and "Content-Length" in err, (bad, status, err)
+    status, _ = raw_request(server, {"Content-Length": str(limit + 1)})  # no token: not even that is said
+    assert status == 401
+    assert_serves(server, model)
 
 
-def test_auth_paths_and_methods(server):
+def test_auth_paths_and_methods(server, model):
     assert_json_error(post(server, GOOD, token="wrong"), 401, "token")
     assert_json_error(requests.post(server + "/logps", data=GOOD, timeout=10), 401, "token")
+    for auth in (f"bearer {TOKEN}", f"Bearer {TOKEN} ", f"Bearer {TOKEN[:-1]}", TOKEN, f"Basic {TOKEN}", "Bearer",
+                 f"Bearer {TOKEN}{TOKEN}", "Bearer sécret"):
+        r = requests.post(server + "/logps", data=GOOD, headers={"Authorization": auth.encode()}, timeout=10)
+        assert_json_error(r, 401, "token")
     assert_json_error(requests.get(server + "/nope", timeout=10), 404)
+    assert_json_error(post(server + "/logps", GOOD), 404)  # /logps/logps
     assert_json_error(requests.get(server + "/logps", timeout=10), 405)
+    assert_json_error(requests.put(server + "/logps", data=GOOD, timeout=10), 405)
+    assert_json_error(requests.delete(server + "/logps", timeout=10), 405)
     assert_json_error(requests.post(server + "/health", timeout=10), 405)
+    assert_serves(server, model)
 
 
 def test_client_errors(server):
     with pytest.raises(RefServerError, match="401.*token"):  # 4xx: at once, with the server's message
         ref_logps(server, [[1]], [[2]], 1.0, token="wrong", retries=3, backoff=10)
+    with pytest.raises(RefServerError, match="401.*token"):
+        ref_logps(server, [[1]], [[2]], 1.0, retries=3, backoff=10)  # token=None: no Authorization header
     dead = f"http://127.0.0.1:{free_port()}"
     t = time.monotonic()
     with pytest.raises(RefServerError, match=f"{dead}/logps failed after 3 attempts"):
@@ -251,3 +349,25 @@ def test_client_errors(server):
     assert 0.15 <= time.monotonic() - t < 10  # slept 0.05 + 0.1
     with pytest.raises(RefServerError, match="not ready"):
         wait_for_server(dead, timeout=0.5, interval=0.1)
+
+
+def test_fuzz_live_server(server_proc, server, model):
+    """Random and mutated bodies (see test_ref_server_fuzz.py): the server answers each exactly as
+    decode_request does in-process (the status, or 200 with the right number of log-probs), never a 5xx."""
+    limits = dict(vocab_size=V, max_seqs=16, max_tokens=2000)  # as the server was started
+
+    @settings(max_examples=50, deadline=None, database=None)
+    @given(any_body)
+    def one(data):
+        r = post(server, data)
+        try:
+            _, completions, _ = decode_request(data, **limits)
+        except WireError as e:
+            assert_json_error(r, e.status)
+        else:
+            assert r.status_code == 200, r.text
+            assert len(decode_response(r.content, [len(c) for c in completions])) == len(completions)
+
+    one()
+    assert_serves(server, model)
+    assert "Traceback" not in server_log(server_proc[2])
