@@ -355,8 +355,10 @@ def main(args):
             share = loss * count / total * weight
             engine.backward(share * world)
             sums += torch.stack([share.detach(), st["kl_sum"], st["clip_sum"], st["tokens"]]).float().cpu() * weight
+        grad_norm = 0.0
         if n_micro:   # else no group had any signal: no update this step
             engine.step()
+            grad_norm = float(engine.get_global_grad_norm())   # before clipping
         dist.all_reduce(sums)
         train_s = time.time() - t0
 
@@ -370,7 +372,7 @@ def main(args):
         if master_process:
             m = batch["metrics"]
             log = {"step": step, **m, "loss": sums[0].item(), "kl": (sums[1] / sums[3].clamp(min=1)).item(),
-                   "clip_frac": (sums[2] / sums[3].clamp(min=1)).item(), "stale_dropped": stale_dropped,
+                   "clip_frac": (sums[2] / sums[3].clamp(min=1)).item(), "grad_norm": grad_norm, "stale_dropped": stale_dropped,
                    "time/wait_s": wait_s, "time/ref_s": ref_s, "time/train_s": train_s, "time/sync_s": sync_s,
                    **pending_eval}
             if step == args.steps:   # the final evaluation is worth waiting for

@@ -1,5 +1,6 @@
 """grpo_loss, advantages, masks and log-probs against independent references."""
 import math
+import os
 
 import pytest
 import torch
@@ -143,3 +144,14 @@ def test_completion_logps_match_a_plain_forward(tiny_model, temperature):
             logits = model(torch.tensor([p + c])).logits[0, len(p) - 1:-1] / temperature
             want = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
             assert torch.allclose(got[i, :len(c)].double(), want, atol=1e-5)
+
+
+def test_importing_grpo_train_parses_nothing_and_starts_nothing():
+    """`import grpo_train` (as the ref server and these tests do) must not parse argv or spawn anything."""
+    import subprocess
+    import sys
+    code = ("import sys, multiprocessing as mp; sys.argv = ['x', '--no-such-flag']; import grpo_train; "
+            "assert not mp.active_children(); print('ok')")
+    p = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]

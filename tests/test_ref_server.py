@@ -137,7 +137,8 @@ def spawn_server(model_path, log_path, *args, env=None):
     log = open(log_path, "w")
     cmd = [sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", model_path, "--port", str(port),
            "--threads", "1", *args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env_without_token() if env is None else env)
+    env = env_without_token() if env is None else env
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, f"http://127.0.0.1:{port}", log
 
 
@@ -174,9 +175,9 @@ def server_log(log):
 def server_proc(tiny_model, tmp_path_factory):
     """Start the server (not waiting for it, so the slow boot overlaps other setup); kill it at module end."""
     # the token goes through the environment, so it is not visible in `ps`
-    proc, url, log = spawn_server(tiny_model, tmp_path_factory.mktemp("ref_server") / "log.txt", "--micro-batch", "2",
-                                  "--max-seqs", "16", "--max-tokens", "2000", "--max-body-mb", "0.05",
-                                  env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
+    proc, url, log = spawn_server(tiny_model, tmp_path_factory.mktemp("ref_server") / "log.txt",
+                                  "--micro-batch", "2", "--max-seqs", "16", "--max-tokens", "2000",
+                                  "--max-body-mb", "0.05", env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
     try:
         yield proc, url, log
     finally:
@@ -324,7 +325,7 @@ def test_body_limits(server, model):
 def test_auth_paths_and_methods(server, model):
     assert_json_error(post(server, GOOD, token="wrong"), 401, "token")
     assert_json_error(requests.post(server + "/logps", data=GOOD, timeout=10), 401, "token")
-    for auth in (f"bearer {TOKEN}", f"Bearer {TOKEN} ", f"Bearer {TOKEN[:-1]}", TOKEN, f"Basic {TOKEN}", "Bearer",
+    for auth in (f"bearer {TOKEN}", f"Bearer  {TOKEN}", f"Bearer {TOKEN[:-1]}", TOKEN, f"Basic {TOKEN}", "Bearer",
                  f"Bearer {TOKEN}{TOKEN}", "Bearer sécret"):
         r = requests.post(server + "/logps", data=GOOD, headers={"Authorization": auth.encode()}, timeout=10)
         assert_json_error(r, 401, "token")

@@ -14,8 +14,8 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 
 ids = st.integers(0, V - 1)
 # a JSON value of any type, big ints included (safetensors wants usize for shapes and offsets)
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
-                           lambda inner: st.lists(inner, max_size=3), max_leaves=6)
+json_scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8)
+json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3), max_leaves=6)
 
 
 @st.composite
