@@ -28,7 +28,6 @@ import json
 import math
 import os
 import queue
-import random
 import time
 from statistics import fmean as mean
 
@@ -41,7 +40,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rewards
 from ref_server import model_fingerprint, ref_logps, wait_for_server
-from tasks import load_task
+from tasks import load_task, shuffled_forever
 from weight_sync import WeightSync
 
 
@@ -157,13 +156,6 @@ def group_advantages(rewards):
     return None if r.std() == 0 else ((r - r.mean()) / (r.std() + 1e-4)).tolist()   # unbiased std, as TRL
 
 
-def shuffled_forever(n, seed):
-    """Indices 0..n-1, a fresh shuffle each pass over the data."""
-    rng = random.Random(seed)
-    while True:
-        yield from rng.sample(range(n), n)
-
-
 def generation_process(args, train_set, eval_set, sync, batches):
     """Owns vLLM on its own device: sample -> score -> advantages -> hand the batch to the trainer.
     On any error it dies with a traceback on stderr; the trainer notices and stops the run."""
@@ -233,14 +225,16 @@ def generation_process(args, train_set, eval_set, sync, batches):
 
 # ----------------------------------------------------------------------------- the trainer
 
-def collate(seqs, pad_id):
-    """A micro-batch as tensors, from (prompt ids, completion ids, old logps, advantage, ref logps) tuples."""
+def collate(seqs, pad_id, device="cpu"):
+    """A micro-batch as tensors on `device`, from (prompt ids, completion ids, old logps, advantage, ref logps)
+    tuples: input_ids, attention_mask, completion_mask, old_logps, ref_logps (or None), advantages."""
     input_ids, attention_mask, completion_mask = pad_batch([s[0] for s in seqs], [s[1] for s in seqs], pad_id)
     T = completion_mask.shape[1]
     pad = lambda rows: torch.stack([torch.nn.functional.pad(torch.as_tensor(r, dtype=torch.float32),
                                                             (0, T - len(r))) for r in rows])   # (B, T)
     ref = pad([s[4] for s in seqs]) if seqs[0][4] is not None else None
-    return input_ids, attention_mask, completion_mask, pad([s[2] for s in seqs]), ref, torch.tensor([s[3] for s in seqs])
+    out = input_ids, attention_mask, completion_mask, pad([s[2] for s in seqs]), ref, torch.tensor([s[3] for s in seqs])
+    return [None if t is None else t.to(device) for t in out]
 
 
 def main(args):
@@ -249,24 +243,26 @@ def main(args):
     master_process = rank == 0
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)   # the CPU is shared with vLLM and the reference server
-    assert args.group_size >= max(2, world), "need --group-size >= 2 and >= world size (a sequence per rank)"
-    rewards.parse_reward_spec(args.rewards)   # fail here, not in the generation process
+    problems = [msg for bad, msg in [
+        (args.group_size < max(2, world), "--group-size must be >= 2 and >= the number of training ranks"),
+        (min(args.micro_batch, args.prompts_per_step, args.steps) < 1, "sizes and --steps must be >= 1"),
+        (os.sep in args.model and not os.path.isdir(args.model), f"--model {args.model}: no such folder")] if bad]
+    if problems:
+        raise SystemExit("grpo_train.py: " + "; ".join(problems))
+    rewards.parse_reward_spec(args.rewards)   # a bad --rewards fails here, not in the generation process
 
     bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if bf16 else torch.float32)
     with open(args.ds_config) as f:
         ds_config = json.load(f)
-    # gradient_accumulation_steps stays 1: the number of micro-batches varies as groups are dropped, so the
-    # loop below marks the accumulation boundary itself
+    # gradient_accumulation_steps stays 1: micro-batches per step vary, so the loop marks the boundary itself
     ds_config.update({"train_micro_batch_size_per_gpu": args.micro_batch, "bf16": {"enabled": bf16}})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0,
                                   fused=torch.cuda.is_available())   # torch's AdamW: no JIT build on CPU
     if args.beta > 0:   # the reference server must be up, and serve the model we start from
-        served = wait_for_server(args.ref_url, timeout=args.ref_wait)["fingerprint"]
-        if served != model_fingerprint(model):
-            raise RuntimeError(f"{args.ref_url} serves another model than --model {args.model} (fingerprint "
-                               f"{served} != {model_fingerprint(model)})")
+        if wait_for_server(args.ref_url, timeout=args.ref_wait)["fingerprint"] != model_fingerprint(model):
+            raise RuntimeError(f"{args.ref_url} serves another model than --model {args.model}")
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
     train_set = load_task(args.task, "train", data=args.data, seed=args.seed)
@@ -285,7 +281,7 @@ def main(args):
     def push_weights(step, evaluate):
         """Rank 0: hand the weights to the generation process, with our log-probs of the probe (choice 6)."""
         nonlocal version
-        ids = torch.tensor([probe_ids])
+        ids = torch.tensor([probe_ids], device=engine.device)
         with torch.no_grad():
             probe = completion_logps(engine.module, ids, torch.ones_like(ids), len(probe_ids) - 1)[0]
         version = sync.push(engine.module.named_parameters(), probe, evaluate)
@@ -293,15 +289,12 @@ def main(args):
 
     def next_message():
         """Rank 0: the generation process's next message; notices within seconds when it has died."""
-        while True:
+        while gen.is_alive():
             try:
-                msg = batches.get(timeout=2)
+                return batches.get(timeout=2)
             except queue.Empty:
-                if not gen.is_alive():
-                    raise RuntimeError(f"the generation process died (exit code {gen.exitcode}); "
-                                       "its traceback, if any, is above")
-                continue
-            return msg
+                pass
+        raise RuntimeError(f"the generation process died (exit code {gen.exitcode}); its traceback is above")
 
     if master_process:   # version 0 is the starting weights; the generation process evaluates them first
         push_weights(0, evaluate=True)
@@ -338,23 +331,20 @@ def main(args):
         t0 = time.time()
         total = sum(len(s[1]) for s in seqs) if args.agg == "token-mean" else len(seqs)
         n_micro = math.ceil(math.ceil(len(seqs) / world) / args.micro_batch)   # the same on every rank
-        sums = torch.zeros(4)   # loss, KL, clipped tokens, tokens
+        sums = torch.zeros(4, device=engine.device)   # loss, KL, clipped tokens, tokens
         for i in range(n_micro):
             chunk = mine[i * args.micro_batch:(i + 1) * args.micro_batch]
-            # ZeRO-2 reduces gradients at every backward, so every rank must run as many: a rank out of
-            # sequences runs a zero-weight pass
+            # ZeRO-2 reduces gradients at every backward: a rank out of sequences runs a zero-weight pass
             weight = 1.0 if chunk else 0.0
-            ids, attn, cmask, old, ref_lp, adv = collate(chunk or mine[:1], tok.pad_token_id)
+            ids, attn, cmask, old, ref_lp, adv = collate(chunk or mine[:1], tok.pad_token_id, engine.device)
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
-            logps = completion_logps(engine, ids, attn, cmask.shape[1], args.temperature)
-            loss, count, st = grpo_loss(logps, old.to(logps.dtype), None if ref_lp is None else ref_lp.to(logps.dtype),
-                                        adv.to(logps.dtype), cmask, beta=args.beta, eps_low=args.eps_low,
+            logps = completion_logps(engine, ids, attn, cmask.shape[1], args.temperature)   # float32
+            loss, count, st = grpo_loss(logps, old, ref_lp, adv, cmask, beta=args.beta, eps_low=args.eps_low,
                                         eps_high=args.eps_high, agg=args.agg, max_len=args.max_new_tokens)
-            # this micro-batch's share of the whole batch's loss; DeepSpeed averages gradients over ranks,
-            # hence * world
+            # this micro-batch's share of the batch's loss; * world as DeepSpeed averages gradients over ranks
             share = loss * count / total * weight
             engine.backward(share * world)
-            sums += torch.stack([share.detach(), st["kl_sum"], st["clip_sum"], st["tokens"]]).float().cpu() * weight
+            sums += torch.stack([share.detach(), st["kl_sum"], st["clip_sum"], st["tokens"]]) * weight
         grad_norm = 0.0
         if n_micro:   # else no group had any signal: no update this step
             engine.step()
@@ -372,8 +362,8 @@ def main(args):
         if master_process:
             m = batch["metrics"]
             log = {"step": step, **m, "loss": sums[0].item(), "kl": (sums[1] / sums[3].clamp(min=1)).item(),
-                   "clip_frac": (sums[2] / sums[3].clamp(min=1)).item(), "grad_norm": grad_norm, "stale_dropped": stale_dropped,
-                   "time/wait_s": wait_s, "time/ref_s": ref_s, "time/train_s": train_s, "time/sync_s": sync_s,
+                   "clip_frac": (sums[2] / sums[3].clamp(min=1)).item(), "grad_norm": grad_norm,
+                   "stale_dropped": stale_dropped, "time/wait_s": wait_s, "time/ref_s": ref_s, "time/train_s": train_s, "time/sync_s": sync_s,
                    **pending_eval}
             if step == args.steps:   # the final evaluation is worth waiting for
                 while (msg := next_message())["kind"] != "eval" or msg["version"] != version:

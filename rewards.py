@@ -10,7 +10,9 @@ Pick and weight them with --rewards "gsm8k,format:0.5" (parse_reward_spec) and c
 """
 import math
 import re
+import sys
 import threading
+import traceback
 
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
@@ -76,6 +78,9 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     return out
 
 
+_REPORTED = set()   # reward names whose first failure has been shown
+
+
 def score(completion: str, sample: dict, spec_list: list[tuple[str, float]]) -> tuple[float, dict, int]:
     """-> (total, components, n_errors).
 
@@ -86,7 +91,11 @@ def score(completion: str, sample: dict, spec_list: list[tuple[str, float]]) -> 
         fn = REWARDS[name]  # an unknown name is a programming error: let the KeyError out
         try:
             r = float(fn(completion, sample))
-        except Exception:  # a buggy reward must not kill the run; it is counted and logged instead
+        except Exception:  # a buggy reward must not kill the run; it is counted, and its first traceback shown
+            if name not in _REPORTED:
+                _REPORTED.add(name)
+                print(f"reward {name!r} raised (scored 0, counted in reward/errors; shown once):\n"
+                      f"{traceback.format_exc()}", file=sys.stderr, flush=True)
             r = math.nan
         if not math.isfinite(r):
             r, n_errors = 0.0, n_errors + 1

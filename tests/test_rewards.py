@@ -96,7 +96,7 @@ def test_parse_reward_spec():
             assert "gsm8k" in str(e.value) and "format" in str(e.value)    # names the valid rewards
 
 
-def test_score(monkeypatch):
+def test_score(monkeypatch, capsys):
     total, comps, errors = score(GOOD, {"answer": "42"}, parse_reward_spec("demo,format:0.5"))
     assert (total, comps, errors) == (1.5, {"demo": 1.0, "format": 1.0}, 0)
 
@@ -106,6 +106,9 @@ def test_score(monkeypatch):
     monkeypatch.setitem(REWARDS, "nan", lambda c, s: math.nan)
     total, comps, errors = score(GOOD, {"answer": "42"}, [("boom", 1.0), ("nan", 1.0), ("format", 2.0)])
     assert (total, comps, errors) == (2.0, {"boom": 0.0, "nan": 0.0, "format": 1.0}, 2)
+    assert "bug in a reward" in capsys.readouterr().err   # the first traceback is shown...
+    assert score(GOOD, {"answer": "42"}, [("boom", 1.0)])[2] == 1
+    assert capsys.readouterr().err == ""                    # ...once
 
 
 def test_last_answer():
