@@ -1,7 +1,7 @@
-"""Synthetic arithmetic task for the offline demo: "a+b=" -> "<answer>{a+b}</answer>", a in 0..99, b in 5..9.
+"""Synthetic arithmetic task for the offline demo: "a+b=" -> "<answer>{a+b}</answer>", a in 10..99, b in 5..9.
 
-There are 500 problems. A fixed 20% of them (a seed-independent permutation) is the held-out "test" split (100
-problems); the other 80% are "train" (400). Every digit-level fact a held-out problem needs (the ones-digit sum,
+There are 450 problems. A fixed 20% of them (a seed-independent permutation) is the held-out "test" split (90
+problems); the other 80% are "train" (360). Every digit-level fact a held-out problem needs (the ones-digit sum,
 the carry, the tens digit) also occurs in train problems, so a model generalises rather than memorises.
 
 With b >= 5 about 70% of the problems need a carry. The warm start imitates a *sloppy teacher*
@@ -12,14 +12,14 @@ which is what GRPO with the exact-match reward amplifies.
 """
 import random
 
-A_MAX = 99
+A_MIN, A_MAX = 10, 99  # two-digit a: one-digit a were rare and the tiny model learnt them poorly
 B_MIN, B_MAX = 5, 9
 TEST_FRACTION = 0.2
 _SPLIT_SEED = 1234  # the train/test partition never depends on the caller's seed, so the splits stay disjoint
 
 
 def _partition() -> dict[str, list[tuple[int, int]]]:
-    problems = [(a, b) for a in range(A_MAX + 1) for b in range(B_MIN, B_MAX + 1)]
+    problems = [(a, b) for a in range(A_MIN, A_MAX + 1) for b in range(B_MIN, B_MAX + 1)]
     random.Random(_SPLIT_SEED).shuffle(problems)
     n_test = int(len(problems) * TEST_FRACTION)
     return {"test": sorted(problems[:n_test]), "train": sorted(problems[n_test:])}
@@ -44,7 +44,7 @@ def needs_carry(a: int, b: int) -> bool:
 
 
 def make_samples(split: str, n: int | None = None, seed: int = 0) -> list[dict]:
-    """Samples {"prompt": "37+5=", "answer": "42"} of one split ("train": 400, "test": 100), shuffled by seed.
+    """Samples {"prompt": "37+5=", "answer": "42"} of one split ("train": 360, "test": 90), shuffled by seed.
 
     n: take the first n after shuffling (all of the split when None; n larger than the split is an error).
     """
