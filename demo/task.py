@@ -7,8 +7,8 @@ the carry, the tens digit) also occurs in train problems, so a model generalises
 With b >= 5 about 70% of the problems need a carry. The warm start imitates a *sloppy teacher*
 (`teacher_samples`) who forgets the carry (writes a+b-10) in 3 of every 4 demonstrations of a carry problem. A
 model fitted to that data answers in the right format, gets the no-carry problems right and, greedily, the carry
-problems wrong (held-out accuracy about 30%), while still giving the right answer about 1 time in 4 when sampled,
-which is what GRPO with the exact-match reward amplifies.
+problems wrong (held-out greedy accuracy 29/90 = 32%, exactly the problems without a carry), while it still gives
+the right answer about 1 time in 4 when sampled: what GRPO with the exact-match reward amplifies.
 """
 import random
 

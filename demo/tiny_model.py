@@ -20,7 +20,7 @@ CHAT_TEMPLATE = (
 
 
 # The demo recipe (see demo/task.py): model size and warm start, the CLI's defaults.
-DEMO = dict(hidden=128, layers=2, heads=4, steps=1200, lr=3e-3, batch_size=32)
+DEMO = dict(hidden=128, layers=2, heads=4, steps=1200, lr=2e-3, batch_size=32)
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
