@@ -226,8 +226,7 @@ def generation_process(args, train_set, eval_set, sync, batches):
 # ----------------------------------------------------------------------------- the trainer
 
 def collate(seqs, pad_id, device="cpu"):
-    """A micro-batch as tensors on `device`, from (prompt ids, completion ids, old logps, advantage, ref logps)
-    tuples: input_ids, attention_mask, completion_mask, old_logps, ref_logps (or None), advantages."""
+    """(prompt ids, completion ids, old logps, advantage, ref logps) tuples -> a micro-batch's tensors."""
     input_ids, attention_mask, completion_mask = pad_batch([s[0] for s in seqs], [s[1] for s in seqs], pad_id)
     T = completion_mask.shape[1]
     pad = lambda rows: torch.stack([torch.nn.functional.pad(torch.as_tensor(r, dtype=torch.float32),
@@ -286,17 +285,20 @@ def main(args):
         ids = torch.tensor([probe_ids], device=engine.device)
         with torch.no_grad():
             probe = completion_logps(engine.module, ids, torch.ones_like(ids), len(probe_ids) - 1)[0]
-        version = sync.push(engine.module.named_parameters(), probe, evaluate)
+        version = sync.push(engine.module.named_parameters(), probe, evaluate, while_waiting=check_alive)
         pushed_at_step[version] = step
+
+    def check_alive():   # rank 0
+        if not gen.is_alive():
+            raise RuntimeError(f"the generation process died (exit code {gen.exitcode}); its traceback is above")
 
     def next_message():
         """Rank 0: the generation process's next message; notices within seconds when it has died."""
-        while gen.is_alive():
+        while True:
             try:
                 return batches.get(timeout=2)
             except queue.Empty:
-                pass
-        raise RuntimeError(f"the generation process died (exit code {gen.exitcode}); its traceback is above")
+                check_alive()
 
     if master_process:   # version 0 is the starting weights; the generation process evaluates them first
         push_weights(0, evaluate=True)
@@ -347,10 +349,9 @@ def main(args):
             share = loss * count / total * weight
             engine.backward(share * world)
             sums += torch.stack([share.detach(), st["kl_sum"], st["clip_sum"], st["tokens"]]) * weight
-        grad_norm = 0.0
         if n_micro:   # else no group had any signal: no update this step
             engine.step()
-            grad_norm = float(engine.get_global_grad_norm())   # before clipping
+        grad_norm = float(engine.get_global_grad_norm()) if n_micro else 0.0   # before clipping
         dist.all_reduce(sums)
         train_s = time.time() - t0
 

@@ -47,9 +47,13 @@ class WeightSync:
         self.lock = mp.get_context("spawn").Lock()
         self.version = -1
 
-    def push(self, named_parameters, probe_logps, evaluate):
-        """Trainer: publish new weights with the trainer's log-probs of the probe; -> the new version."""
-        with self.lock:
+    def push(self, named_parameters, probe_logps, evaluate, while_waiting=lambda: None):
+        """Trainer: publish new weights with the trainer's log-probs of the probe; -> the new version.
+        `while_waiting` runs every second the lock stays taken: a generation process killed while loading
+        never releases it, so it should raise if that process is gone."""
+        while not self.lock.acquire(timeout=1):
+            while_waiting()
+        try:
             for n, p in named_parameters:
                 self.weights[n].copy_(p.detach())
             self.probe_logps.copy_(probe_logps)
@@ -57,6 +61,8 @@ class WeightSync:
             self.state[0] = self.version
             if evaluate:
                 self.state[1] = self.version
+        finally:
+            self.lock.release()
         return self.version
 
     def pull(self, llm, loaded_version):
