@@ -145,7 +145,8 @@ def _error_text(r) -> str:
         return r.text[:200]
 
 
-def ref_logps(url, prompts, completions, temperature, *, timeout=60, retries=5, backoff=1.0, token=None):
+def ref_logps(url, prompts, completions, temperature, *, timeout=60, retries=5, backoff=1.0,
+              token=os.environ.get("REF_SERVER_TOKEN")):
     """Reference log-probs of each completion token -> list of float32 (len(completion),) tensors.
 
     Retries connection errors and 5xx up to `retries` times, sleeping backoff * 1, 2, 4, ... seconds in

@@ -221,6 +221,19 @@ def assert_serves(url, model):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
 
 
+def test_client_takes_the_token_from_the_environment(server, model):
+    """The trainer calls ref_logps without a token: it comes from REF_SERVER_TOKEN, like the server's."""
+    code = ("import sys, ref_server; ref_server.ref_logps(sys.argv[1], [[1, 2]], [[4]], 1.0, retries=0); "
+            "print('ok')")
+    env = env_without_token()
+    no = subprocess.run([sys.executable, "-c", code, server], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=60)
+    assert no.returncode != 0 and "401" in no.stderr
+    yes = subprocess.run([sys.executable, "-c", code, server], cwd=ROOT, env={**env, "REF_SERVER_TOKEN": TOKEN},
+                         capture_output=True, text=True, timeout=60)
+    assert yes.returncode == 0 and yes.stdout.strip() == "ok", yes.stderr[-2000:]
+
+
 def test_import_is_light(server_proc):  # server_proc: runs while the server boots
     # the trainer imports ref_server at its top: that must not pull in transformers/grpo_train or start anything
     code = "import sys, ref_server; assert not {'transformers', 'grpo_train'} & set(sys.modules), sys.modules.keys()"
