@@ -7,7 +7,7 @@ POST /logps  -> body and answer in the wire format below (application/octet-stre
 
 Wire format (tested with safetensors 0.8.0): a safetensors buffer, i.e. an 8-byte little-endian header
 length, a JSON header (dtype, shape, byte offsets, str->str metadata) and raw little-endian tensor bytes, so
-nothing is unpickled. Request: int32 `input_ids` (every sequence's prompt+completion, concatenated), int32
+only plain numbers cross the wire. Request: int32 `input_ids` (every sequence's prompt+completion, concatenated), int32
 `seq_lens` (B,) and int32 `prompt_lens` (B,), metadata {"temperature": "1.0"}. Answer: float32 `logps`, each
 sequence's completion-token log-probs concatenated.
 
