@@ -1,14 +1,7 @@
 """Greedy held-out accuracy of a (tiny) model on demo.task samples, with plain HF generation (for tuning)."""
-import re
-
 import torch
 
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
-
-def extract_answer(text: str) -> str | None:
-    m = ANSWER_RE.search(text)
-    return m.group(1) if m else None
+from rewards import demo_reward, last_answer
 
 
 @torch.no_grad()
@@ -58,9 +51,9 @@ def accuracy(model_dir_or_model, tok=None, samples=None, *, max_new_tokens=16, r
         from demo.task import make_samples
         samples = make_samples("test")
     texts, ended = generate(model, tok, [s["prompt"] for s in samples], max_new_tokens=max_new_tokens)
-    correct = [extract_answer(t) == s["answer"] for t, s in zip(texts, samples)]
+    correct = [demo_reward(t, s) == 1.0 for t, s in zip(texts, samples)]   # the reward GRPO trains on
     acc = sum(correct) / len(samples)
     if not return_details:
         return acc
-    fmt = sum(e and extract_answer(t) is not None for t, e in zip(texts, ended)) / len(samples)
+    fmt = sum(e and last_answer(t) is not None for t, e in zip(texts, ended)) / len(samples)
     return acc, {"format": fmt, "completions": texts}
