@@ -4,6 +4,8 @@
 
 GET  /health -> {"status": "ok", "model", "vocab_size", "fingerprint"}
 POST /logps  -> body and answer in the wire format below (application/octet-stream)
+POST /reload -> {"path": "..."}: load that HF checkpoint folder (under --checkpoint-dir) as the reference;
+                needs a token; weights never cross the wire (grpo_train.py --ref-sync-every)
 
 Wire format (tested with safetensors 0.8.0): a safetensors buffer, i.e. an 8-byte little-endian header
 length, a JSON header (dtype, shape, byte offsets, str->str metadata) and raw little-endian tensor bytes, so
@@ -11,10 +13,11 @@ only plain numbers cross the wire. Request: int32 `input_ids` (every sequence's 
 `seq_lens` (B,) and int32 `prompt_lens` (B,), metadata {"temperature": "1.0"}. Answer: float32 `logps`, each
 sequence's completion-token log-probs concatenated.
 
-Status codes: 400 malformed request or Content-Length; 401 missing/wrong token (only with --token);
-404 unknown path; 405 wrong method; 411 no Content-Length; 413 body over --max-body-mb, or more than
---max-seqs sequences or --max-tokens tokens (split the batch); 500 server bug. Every error body is
-{"error": "..."}. A --host other than loopback needs a token (--token or $REF_SERVER_TOKEN), or --insecure.
+Status codes: 400 malformed request or Content-Length; 401 missing/wrong token (only with --token); 403
+/reload off or a path outside --checkpoint-dir; 404 unknown path; 405 wrong method; 411 no Content-Length;
+413 body over --max-body-mb, or more than --max-seqs sequences or --max-tokens tokens (split the batch); 500
+server bug. Every error body is {"error": "..."}. A --host other than loopback needs a token (--token or
+$REF_SERVER_TOKEN), or --insecure.
 
 This module is imported by the trainer for the wire helpers and the client (ref_logps), so importing it
 must stay cheap: no model, no server, no grpo_train import at the top.
@@ -145,36 +148,53 @@ def _error_text(r) -> str:
         return r.text[:200]
 
 
-def ref_logps(url, prompts, completions, temperature, *, timeout=60, retries=5, backoff=1.0,
-              token=os.environ.get("REF_SERVER_TOKEN")):
-    """Reference log-probs of each completion token -> list of float32 (len(completion),) tensors.
-
-    Retries connection errors and 5xx up to `retries` times, sleeping backoff * 1, 2, 4, ... seconds in
-    between. A 4xx raises at once (the request itself is wrong; 413 = split the batch). A read timeout is not
-    retried either: the server is alive but slow, and a resend would queue a second copy behind the first."""
-    body = encode_request(prompts, completions, temperature)
-    endpoint = url.rstrip("/") + "/logps"
-    headers = {"Content-Type": "application/octet-stream"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    last = None
-    for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(backoff * 2 ** (attempt - 1))
+def _post(endpoint, body, headers, *, timeout, retry_for, backoff):
+    """POST with retries: connection errors and 5xx are retried, sleeping backoff * 1, 2, 4, ... seconds (at most
+    30 s each) for up to `retry_for` seconds in all, so a server that restarts is waited for. A 4xx raises at
+    once (the request itself is wrong; 413 = split the batch). A read timeout is not retried either: the server
+    is alive but slow, and a resend would queue a second copy behind the first."""
+    deadline, attempt, last = time.monotonic() + retry_for, 0, None
+    while True:
         try:
             r = requests.post(endpoint, data=body, headers=headers, timeout=timeout)
+            if r.status_code < 500:
+                break
+            last = f"HTTP {r.status_code}: {_error_text(r)}"
         except requests.ConnectionError as e:  # includes ConnectTimeout
             last = f"{type(e).__name__}: {e}"
-            continue
         except requests.Timeout as e:
             raise RefServerError(f"{endpoint}: no answer within {timeout}s ({e})") from e
-        if r.status_code >= 500:
-            last = f"HTTP {r.status_code}: {_error_text(r)}"
-            continue
-        if r.status_code != 200:
-            raise RefServerError(f"{endpoint} answered HTTP {r.status_code}: {_error_text(r)}")
-        return decode_response(r.content, [len(c) for c in completions])
-    raise RefServerError(f"{endpoint} failed after {retries + 1} attempts; last error: {last}")
+        pause = min(30.0, backoff * 2 ** attempt)
+        if time.monotonic() + pause > deadline:
+            raise RefServerError(f"{endpoint} failed after {attempt + 1} attempts in {retry_for:g}s; "
+                                 f"last error: {last}")
+        time.sleep(pause)
+        attempt += 1
+    if r.status_code != 200:
+        raise RefServerError(f"{endpoint} answered HTTP {r.status_code}: {_error_text(r)}")
+    return r
+
+
+def _auth(token):
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def ref_logps(url, prompts, completions, temperature, *, timeout=60, retry_for=30.0, backoff=1.0,
+              token=os.environ.get("REF_SERVER_TOKEN")):
+    """Reference log-probs of each completion token -> list of float32 (len(completion),) tensors.
+    Retries as _post says, for up to `retry_for` seconds."""
+    r = _post(url.rstrip("/") + "/logps", encode_request(prompts, completions, temperature),
+              {"Content-Type": "application/octet-stream", **_auth(token)},
+              timeout=timeout, retry_for=retry_for, backoff=backoff)
+    return decode_response(r.content, [len(c) for c in completions])
+
+
+def reload_reference(url, path, *, timeout=600, retry_for=30.0, token=os.environ.get("REF_SERVER_TOKEN")) -> dict:
+    """Ask the server to load the HF checkpoint in folder `path` (on the server's file system, under its
+    --checkpoint-dir) as the new reference -> its new /health. Only a path crosses the wire, never weights."""
+    r = _post(url.rstrip("/") + "/reload", json.dumps({"path": path}),
+              {"Content-Type": "application/json", **_auth(token)}, timeout=timeout, retry_for=retry_for, backoff=1.0)
+    return r.json()
 
 
 def wait_for_server(url, timeout=120.0, interval=0.5) -> dict:
@@ -228,7 +248,9 @@ def load_model(path, device="cpu", dtype="auto"):
     from transformers import AutoModelForCausalLM  # here, so importing this module stays light
     if dtype == "auto":
         dtype = "float32" if device == "cpu" else "bfloat16"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    # safetensors only: a checkpoint is never unpickled (a hub model without safetensors files is refused)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
+    model = model.to(device).eval()
     model.requires_grad_(False)
     return model
 
@@ -237,7 +259,8 @@ def load_model(path, device="cpu", dtype="auto"):
 def compute_logps(model, prompts, completions, temperature, micro_batch=8) -> list[torch.Tensor]:
     # Imported here, not at the top: grpo_train imports this module at its top (circular import otherwise);
     # main() has loaded it already, so this is a dict lookup.
-    from grpo_train import completion_logps, pad_batch
+    from grpo_train import completion_logps
+    from plumbing import pad_batch
     device = next(model.parameters()).device
     # Similar lengths share a micro-batch, so little compute goes to padding; answers go back in input order.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(completions[i]))
@@ -252,11 +275,14 @@ def compute_logps(model, prompts, completions, temperature, micro_batch=8) -> li
     return out
 
 
-def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, token=None) -> bottle.Bottle:
+def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, token=None, checkpoint_dir=None,
+             load=None) -> bottle.Bottle:
+    """checkpoint_dir + load(path) -> model enable POST /reload (with a token only)."""
     app = bottle.Bottle()
-    lock = threading.Lock()  # one forward at a time; threads overlap only socket I/O and decoding
+    lock = threading.Lock()  # one forward (or reload) at a time; threads overlap only socket I/O and decoding
     vocab = model.get_input_embeddings().num_embeddings
     health = {"status": "ok", "model": name, "vocab_size": vocab, "fingerprint": model_fingerprint(model)}
+    served = {"model": model}  # replaced by /reload
 
     def json_error(res):  # every error, bottle's own 404/405/500 included, as one line of JSON
         bottle.response.content_type = "application/json"
@@ -267,8 +293,8 @@ def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, toke
     def _health():
         return health
 
-    @app.post("/logps")
-    def _logps():
+    def checked_body():
+        """The request body, after the token and Content-Length checks (4xx on failure)."""
         auth = bottle.request.get_header("Authorization", "").encode()
         if token and not hmac.compare_digest(auth, f"Bearer {token}".encode()):
             bottle.abort(401, "missing or wrong bearer token")
@@ -280,16 +306,46 @@ def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, toke
         n = int(length)
         if n > max_body:  # refuse before reading a byte of it
             bottle.abort(413, f"body of {n} bytes > limit {max_body}")
-        body = bottle.request.environ["wsgi.input"].read(n)  # n <= max_body: bounded read
+        return bottle.request.environ["wsgi.input"].read(n)  # n <= max_body: bounded read
+
+    @app.post("/logps")
+    def _logps():
+        body = checked_body()
         try:
             prompts, completions, temperature = decode_request(body, vocab_size=vocab, max_seqs=max_seqs,
                                                                max_tokens=max_tokens)
         except WireError as e:
             bottle.abort(e.status, str(e))
         with lock:
-            logps = compute_logps(model, prompts, completions, temperature, micro_batch)
+            logps = compute_logps(served["model"], prompts, completions, temperature, micro_batch)
         bottle.response.content_type = "application/octet-stream"
         return encode_response(logps)
+
+    @app.post("/reload")
+    def _reload():
+        """Load a checkpoint folder under checkpoint_dir as the reference (grpo_train.py --ref-sync-every).
+        Only a path is accepted, and only with a token: weights never cross the wire."""
+        if not (token and checkpoint_dir):
+            bottle.abort(403, "reload is off: start the server with --checkpoint-dir and a token")
+        body = checked_body()
+        try:
+            path = json.loads(body)["path"]
+        except (ValueError, KeyError, TypeError):
+            path = None
+        if not isinstance(path, str) or not path:
+            bottle.abort(400, 'expected a JSON body {"path": "..."}')
+        real, root = os.path.realpath(path), os.path.realpath(checkpoint_dir)
+        if os.path.commonpath([real, root]) != root:  # realpath first: no way out through .. or a symlink
+            bottle.abort(403, f"{path!r} is not under the server's --checkpoint-dir")
+        if not os.path.isfile(os.path.join(real, "config.json")):
+            bottle.abort(400, f"{path!r} is not a checkpoint folder (no config.json)")
+        with lock:
+            new = load(real)
+            if new.get_input_embeddings().num_embeddings != vocab:
+                bottle.abort(400, f"{path!r} has another vocabulary than the served model")
+            served["model"] = new
+            health.update(model=real, fingerprint=model_fingerprint(new))
+        return health
 
     return app
 
@@ -322,6 +378,8 @@ def main(argv=None):
                    help="weights dtype; auto = float32 on cpu, bfloat16 on cuda")
     p.add_argument("--token", default=os.environ.get("REF_SERVER_TOKEN"),
                    help="require 'Authorization: Bearer TOKEN' on /logps (default: $REF_SERVER_TOKEN, else none)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="allow POST /reload of checkpoints under this folder (needs a token; --ref-sync-every)")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without a token (only on a network you trust)")
     a = p.parse_args(argv)
@@ -334,7 +392,8 @@ def main(argv=None):
     # `from ref_server import ...` loads a second, inert copy of this file as `ref_server`: harmless.)
     import grpo_train  # noqa: F401
     app = make_app(model, name=a.model, max_seqs=a.max_seqs, max_tokens=a.max_tokens,
-                   max_body=int(a.max_body_mb * 2**20), micro_batch=a.micro_batch, token=a.token)
+                   max_body=int(a.max_body_mb * 2**20), micro_batch=a.micro_batch, token=a.token,
+                   checkpoint_dir=a.checkpoint_dir, load=lambda path: load_model(path, a.device, a.dtype))
     server = make_server(a.host, a.port, app, server_class=ThreadingWSGIServer, handler_class=QuietHandler)
     print(f"ref_server: {a.model} on {a.device}, listening on http://{a.host}:{server.server_port}", flush=True)
     server.serve_forever()

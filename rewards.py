@@ -55,6 +55,14 @@ def demo_reward(completion, sample):
     return 1.0 if pred is not None and gold is not None and pred.strip() == str(gold).strip() else 0.0
 
 
+def overlong_penalty(n_tokens: int, max_tokens: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment, added to the reward by grpo_train.py --overlong-buffer: 0 up to
+    max_tokens - buffer tokens, then falling linearly to -1 at max_tokens (0 when buffer is 0)."""
+    if buffer <= 0:
+        return 0.0
+    return max(-1.0, min(0.0, (max_tokens - buffer - n_tokens) / buffer))
+
+
 REWARDS = {"format": format_reward, "gsm8k": gsm8k_reward, "demo": demo_reward}
 
 

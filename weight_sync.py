@@ -39,13 +39,14 @@ def vllm_probe_logps(llm, ids):
 class WeightSync:
     """Built by the trainer before it spawns the generation process, which receives it as an argument."""
 
-    def __init__(self, named_parameters, probe_ids):
+    def __init__(self, named_parameters, probe_ids, first_version=0):
+        """first_version: the number the first push gets (a resumed run goes on counting where it stopped)."""
         self.weights = {n: p.detach().to("cpu", copy=True).share_memory_() for n, p in named_parameters}
         self.state = torch.full((2,), -1.0).share_memory_()   # [newest version, newest version to evaluate]
         self.probe_ids = list(probe_ids)
         self.probe_logps = torch.zeros(len(self.probe_ids) - 1).share_memory_()
         self.lock = mp.get_context("spawn").Lock()
-        self.version = -1
+        self.version = first_version - 1
 
     def push(self, named_parameters, probe_logps, evaluate, while_waiting=lambda: None):
         """Trainer: publish new weights with the trainer's log-probs of the probe; -> the new version.

@@ -9,6 +9,8 @@ the vLLM generation process), 4. print held-out accuracy before -> after and plo
 import argparse
 import json
 import os
+import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +42,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed for the model, warm start and run")
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     t_start = time.time()
+    # SIGTERM ends the demo the way Ctrl-C does, by raising, so the `finally`s below stop what it started
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     out = os.path.abspath(a.out_dir)
     model_dir = a.model or os.path.join(out, "model")
     os.makedirs(out, exist_ok=True)
@@ -52,19 +56,37 @@ def main(argv=None):
         subprocess.run([sys.executable, "-m", "demo.tiny_model", "--out", model_dir, "--seed", str(a.seed)],
                        cwd=ROOT, env=env, check=True)
 
-    # 2. the reference server, on loopback (one thread: the two cores belong to the trainer and vLLM)
-    from ref_server import wait_for_server
-    url = f"http://127.0.0.1:{free_port()}"
+    # 2. the reference server, on loopback (one thread: the two cores belong to the trainer and vLLM), with a
+    # token only this run knows; it may reload checkpoints from the run's folder (--ref-sync-every)
+    from ref_server import RefServerError, wait_for_server
+    url, env["REF_SERVER_TOKEN"] = f"http://127.0.0.1:{free_port()}", secrets.token_hex(16)
     server = subprocess.Popen([sys.executable, "ref_server.py", "--model", model_dir, "--port", url.rsplit(":", 1)[1],
-                               "--threads", "1"], cwd=ROOT, env=env)
+                               "--threads", "1", "--checkpoint-dir", out], cwd=ROOT, env=env)
     try:
-        wait_for_server(url, timeout=120)
+        deadline = time.time() + 300
+        while True:   # wait for it to answer, but not for a server that has died
+            if server.poll() is not None:
+                raise SystemExit(f"run_demo: ref_server.py exited with code {server.returncode} (its error is above)")
+            try:
+                wait_for_server(url, timeout=2)
+                break
+            except RefServerError:
+                if time.time() > deadline:
+                    raise
         # 3. GRPO through the deepspeed launcher
         deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-        subprocess.run([deepspeed, "--num_gpus", str(a.world_size), "--master_port", str(free_port()),
-                        "grpo_train.py", "--model", model_dir, "--out-dir", out, "--ref-url", url,
-                        "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
-                        *TRAIN_FLAGS, *extra], cwd=ROOT, env=env, check=True)
+        # a process group of its own: deepspeed's runner does not pass signals on, so the group gets them
+        run = subprocess.Popen([deepspeed, "--num_gpus", str(a.world_size), "--master_port", str(free_port()),
+                                "grpo_train.py", "--model", model_dir, "--out-dir", out, "--ref-url", url,
+                                "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
+                                *TRAIN_FLAGS, *extra], cwd=ROOT, env=env, start_new_session=True)
+        try:
+            if run.wait() != 0:
+                raise SystemExit(f"run_demo: grpo_train.py failed (exit code {run.returncode})")
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGTERM)
+                run.wait(timeout=60)
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -43,13 +43,13 @@ def test_short_run_finishes_logs_checkpoints_and_learns(tmp_path, demo_model, wo
     assert (tmp_path / "metrics.png").stat().st_size > 1000
 
 
-def train_one_step(out_dir, model, world_size, micro_batch):
+def train_one_step(out_dir, model, world_size, micro_batch, *extra):
     """One GRPO step with --beta 0 (no reference server needed) straight through the deepspeed launcher."""
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [deepspeed, "--num_gpus", str(world_size), "--master_port", str(29600 + world_size), "grpo_train.py",
            "--model", model, "--out-dir", str(out_dir), "--steps", "1", "--beta", "0", "--lr", "1e-3",
            "--prompts-per-step", "8", "--group-size", "4", "--max-new-tokens", "12", "--max-prompt-len", "16",
-           "--micro-batch", str(micro_batch), "--eval-size", "20", "--ref-url", "http://127.0.0.1:9"]
+           "--micro-batch", str(micro_batch), "--eval-size", "20", "--ref-url", "http://127.0.0.1:9", *extra]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     from safetensors.torch import load_file
@@ -60,12 +60,13 @@ def train_one_step(out_dir, model, world_size, micro_batch):
 
 def test_update_does_not_depend_on_world_size_or_micro_batches(tmp_path, demo_model):
     """The same batch (vLLM sampling is seeded) trained as 1 rank x 1 micro-batch and as 2 ranks x 3
-    micro-batches gives the same loss, gradient norm and new weights: the micro-batch weights and DeepSpeed's
-    averaging over ranks agree. (Adam's first update hides a uniform gradient scale; grad_norm does not.)"""
+    micro-batches with gradient checkpointing gives the same loss, gradient norm and new weights: the
+    micro-batch weights, DeepSpeed's averaging over ranks and the recomputation agree. (Adam's first update
+    hides a uniform gradient scale; grad_norm does not.)"""
     from safetensors.torch import load_file
     start = load_file(os.path.join(demo_model, "model.safetensors"))
     log1, one = train_one_step(tmp_path / "w1", demo_model, world_size=1, micro_batch=64)
-    log2, two = train_one_step(tmp_path / "w2", demo_model, world_size=2, micro_batch=3)
+    log2, two = train_one_step(tmp_path / "w2", demo_model, world_size=2, micro_batch=3, "--grad-ckpt")
     assert log1["reward/mean"] == log2["reward/mean"] and 0 < log1["frac_zero_std"] < 1   # the same batch
     assert log2["loss"] == pytest.approx(log1["loss"], rel=1e-4, abs=1e-7)
     assert log2["grad_norm"] == pytest.approx(log1["grad_norm"], rel=1e-4) and log1["grad_norm"] > 0
@@ -74,3 +75,57 @@ def test_update_does_not_depend_on_world_size_or_micro_batches(tmp_path, demo_mo
     for k in start:
         # elements with a near-zero gradient feel Adam's eps: a tolerance of 1% of the step, not 0.1%
         assert (one[k] - two[k]).abs().max().item() < 1e-2 * moved, k
+
+
+def test_eval_only_scores_a_checkpoint_without_training(tmp_path, demo_model):
+    """--eval-only: greedy decoding through the same vLLM path as the training-time evaluation; no reference
+    server, no training. The warm-started demo model answers exactly the 29 held-out problems without a carry."""
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [deepspeed, "--num_gpus", "1", "--master_port", "29605", "grpo_train.py", "--model", demo_model,
+           "--out-dir", str(tmp_path), "--task", "demo", "--rewards", "demo", "--eval-only", "--max-new-tokens", "12",
+           "--max-prompt-len", "16", "--ref-url", "http://127.0.0.1:9"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    with open(tmp_path / "eval.json") as f:
+        result = json.load(f)
+    assert result["eval/size"] == 90 and result["eval/accuracy"] == pytest.approx(29 / 90)
+    assert result["eval/format"] == 0.0   # the demo answers without <think>: the strict format reward says 0
+    assert json.dumps(result) in p.stdout and not (tmp_path / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- the GRPO variants (choices 2-7)
+
+def test_ppo_epochs_truncated_is_overlong_penalty_and_truncation_mask(tmp_path, demo_model):
+    """--num-iterations 2 with a tight clip: the second pass meets ratios != 1 and clips; --tis-cap: the
+    trainer's and vLLM's old log-probs agree to fp32 noise; --max-new-tokens 5 cuts the three-digit answers
+    (--mask-truncated leaves them out of the loss); --overlong-buffer 3 gives every completion (2 - n) / 3."""
+    _, rows = run_demo(tmp_path, "--model", demo_model, "--steps", "6", "--eval-every", "0", "--",
+                       "--num-iterations", "2", "--eps-low", "0.01", "--eps-high", "0.01", "--tis-cap", "2",
+                       "--overlong-buffer", "3", "--max-new-tokens", "5", "--mask-truncated", "--lr", "1e-3")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert sum(r["clip/low"] + r["clip/high"] for r in rows) > 0   # the second epoch clipped something
+    for r in rows:
+        assert r["sampling/logp_diff_mean"] < 1e-4 and r["sampling/logp_diff_max"] < 1e-3, r
+        # max 5, buffer 3: penalty (2 - n) / 3 for n in 2..5, so the mean follows the mean length
+        assert r["reward/overlong"] == pytest.approx((2 - r["completion_len/mean"]) / 3, abs=1e-9)
+    assert max(r["completion_len/truncated"] for r in rows) > 0   # some completions were cut (and masked)
+
+
+def test_dynamic_sampling_fills_every_batch_with_signal(tmp_path, demo_model):
+    """--max-gen-rounds 4: rounds of 16 prompts until 16 groups have unequal rewards; Dr. GRPO scaling on."""
+    _, rows = run_demo(tmp_path, "--model", demo_model, "--steps", "4", "--eval-every", "0", "--",
+                       "--max-gen-rounds", "4", "--scale-rewards", "none", "--std-floor", "0.3")
+    assert all(r["batch/groups"] == 16 for r in rows), [(r["batch/groups"], r["gen/rounds"]) for r in rows]
+    assert max(r["gen/rounds"] for r in rows) > 1 and all(r["frac_zero_std"] > 0 for r in rows if r["gen/rounds"] > 1)
+    assert all(r["data/prompts_seen"] % 16 == 0 for r in rows)
+
+
+def test_reference_refresh_makes_the_reference_the_policy(tmp_path, demo_model):
+    """--ref-sync-every 2: after the checkpoints of steps 2 and 4 the server reloads them, so the KL of steps 3
+    and 5 (whose log-probs come from those very weights) is zero, while the other steps' is not."""
+    _, rows = run_demo(tmp_path, "--model", demo_model, "--steps", "5", "--eval-every", "0", "--",
+                       "--ref-sync-every", "2", "--lr", "1e-3")
+    kl = {r["step"]: r["kl"] for r in rows}
+    assert kl[3] < 1e-7 and kl[5] < 1e-7, kl
+    assert kl[2] > 1e-5 and kl[4] > 1e-5, kl
+    assert (tmp_path / "step_2" / "model.safetensors").exists() and (tmp_path / "step_4").exists()

@@ -112,3 +112,166 @@ def test_weight_push_does_not_hang_on_a_lock_held_by_a_dead_generation_process()
     with pytest.raises(RuntimeError, match="died"):
         sync.push(layer.named_parameters(), torch.zeros(2), evaluate=False, while_waiting=check_alive)
     assert time.time() - t0 < 5
+
+
+def rows_of(out_dir):
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def wait_for_step(proc, out_dir, step, timeout=300):
+    deadline = time.time() + timeout
+    while not any(r["step"] >= step for r in rows_of(out_dir)):
+        assert proc.poll() is None, open(proc.log).read()[-3000:]
+        assert time.time() < deadline, f"step {step} never logged"
+        time.sleep(0.5)
+
+
+def start_ref_server(model, port, log_path):
+    log = open(log_path, "a")
+    proc = subprocess.Popen([sys.executable, "ref_server.py", "--model", model, "--port", str(port)], cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    RUNS.append(proc)
+    from ref_server import wait_for_server
+    wait_for_server(f"http://127.0.0.1:{port}", timeout=120)
+    return proc
+
+
+def assert_each_batch_trained_once(rows, prompts_per_step):
+    """Steps 1..N, each once; the data position moves by one batch per step, plus one per batch dropped as
+    stale: no batch was trained twice and none was skipped."""
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    prev_seen, prev_dropped = 0, 0
+    for r in rows:
+        assert r["data/prompts_seen"] - prev_seen == prompts_per_step * (1 + r["stale_dropped"] - prev_dropped), r
+        prev_seen, prev_dropped = r["data/prompts_seen"], r["stale_dropped"]
+
+
+def test_reference_server_killed_and_restarted_mid_run(tmp_path, demo_model):
+    """The trainer retries the same batch until the server is back, then goes on: no gap, nothing twice."""
+    port = 29810
+    server = start_ref_server(demo_model, port, tmp_path / "server.log")
+    proc = launch(tmp_path, demo_model, "--beta", "0.04", "--ref-url", f"http://127.0.0.1:{port}", "--steps", "8",
+                  "--lr", "1e-4", port=29711)
+    wait_for_step(proc, tmp_path, 2)
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    time.sleep(3)   # the trainer meets a dead server for a while
+    start_ref_server(demo_model, port, tmp_path / "server.log")
+    rc, out = finish(proc)
+    assert rc == 0, out[-3000:]
+    rows = rows_of(tmp_path)
+    assert len(rows) == 8
+    assert_each_batch_trained_once(rows, prompts_per_step=4)
+    assert max(r["time/ref_s"] for r in rows) > 3   # one step waited for the restart
+
+
+def test_non_finite_gradients_are_skipped_then_the_run_stops(tmp_path, demo_model):
+    """A learning rate of 1e30 makes the weights overflow after the first step: every later gradient norm is
+    NaN. Those steps are skipped (DeepSpeed leaves the weights alone) and counted; 3 in a row stop the run."""
+    proc = launch(tmp_path, demo_model, "--beta", "0", "--steps", "20", "--lr", "1e30", "--max-skips", "3",
+                  "--sync-every", "1000", "--max-staleness", "1000", port=29712)
+    rc, out = finish(proc)
+    assert rc != 0 and "stopping at step 4: the gradient norm was not finite 3 times in a row" in out, out[-3000:]
+    rows = rows_of(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]   # step 4 stopped the run before its log line
+    assert [r["skipped_steps"] for r in rows] == [0, 1, 2]
+    assert rows[0]["grad_norm"] > 0 and all(r["grad_norm"] == float("inf") for r in rows[1:])
+
+
+def family_of(pid):
+    top = psutil.Process(pid)
+    return [top] + top.children(recursive=True)
+
+
+def assert_all_gone(family, timeout=90):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return
+        time.sleep(1)
+    raise AssertionError(f"still running: {[(p.pid, ' '.join(p.cmdline())[:100]) for p in alive]}")
+
+
+def test_sigterm_to_the_deepspeed_launcher_stops_every_process(tmp_path, tiny_model):
+    """deepspeed's single-node runner dies on SIGTERM without passing it on; rank 0 notices its launcher is gone
+    and stops, taking the generation process with it: nothing is left behind."""
+    proc = launch(tmp_path, tiny_model, "--beta", "0", "--steps", "100000", port=29713)
+    wait_for_step(proc, tmp_path, 1)
+    family = family_of(proc.pid)
+    assert len(family) >= 4   # runner, launch.py, rank 0, the vLLM generation process
+    proc.send_signal(signal.SIGTERM)
+    assert_all_gone(family)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, how):
+    """SIGTERM to run_demo, or Ctrl-C (SIGINT to its process group): the reference server, the launcher, the
+    ranks and vLLM all end."""
+    log = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "demo.run_demo", "--model", demo_model, "--out-dir", str(tmp_path),
+                             "--steps", "100000"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    proc.log = log.name
+    RUNS.append(proc)
+    wait_for_step(proc, tmp_path, 1)
+    family = family_of(proc.pid)
+    assert any("ref_server.py" in " ".join(p.cmdline()) for p in family) and len(family) >= 6
+    if how == "SIGTERM":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
+    assert_all_gone(family)
+    assert proc.wait() != 0
+
+
+def test_resume_after_sigkill_continues_the_run(tmp_path, demo_model):
+    """SIGKILL to every process after step 5 (checkpoints every 2 steps); --resume continues after the latest
+    checkpoint with its data position, counters and metrics, and ends with steps 1..12, each once."""
+    flags = ["--beta", "0", "--steps", "12", "--save-every", "2", "--lr", "1e-4", "--max-staleness", "1000"]
+    proc = launch(tmp_path, demo_model, *flags, port=29714)
+    wait_for_step(proc, tmp_path, 5)
+    os.killpg(proc.pid, signal.SIGKILL)   # the whole process group: a job killed without warning
+    proc.wait()
+    latest = (tmp_path / "latest").read_text()
+    k = int(latest.removeprefix("step_"))
+    assert 4 <= k < 12 and k % 2 == 0
+    rc, out = finish(launch(tmp_path, demo_model, *flags, "--resume", port=29715))
+    assert rc == 0 and f"resuming after step {k}" in out, out[-3000:]
+    rows = rows_of(tmp_path)
+    assert_each_batch_trained_once(rows, prompts_per_step=4)
+    assert len(rows) == 12 and all(r["stale_dropped"] == 0 for r in rows)
+    assert (tmp_path / "latest").read_text() == "step_12" and (tmp_path / "step_12" / "model.safetensors").exists()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_check_config_names_every_bad_flag():
+    from grpo_train import get_args
+    from plumbing import check_config
+    ok = get_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])   # a hub id is not checked for a local folder
+    check_config(ok, world=2)
+    bad = get_args(["--model", "./no/such/folder", "--group-size", "1", "--prompts-per-step", "0",
+                    "--rewards", "gsm8k,nope", "--temperature", "0", "--overlong-buffer", "600",
+                    "--ref-sync-every", "2", "--beta", "0"])
+    with pytest.raises(SystemExit) as e:
+        check_config(bad, world=2)
+    for flag in ("--group-size", "--prompts-per-step", "--rewards", "--temperature", "--overlong-buffer",
+                 "--ref-sync-every", "--model ./no/such/folder: no such folder"):
+        assert flag in str(e.value), flag
+    with pytest.raises(SystemExit, match="must be >= the number of training ranks"):
+        check_config(get_args(["--model", "m/m", "--prompts-per-step", "1", "--group-size", "2"]), world=4)
+
+
+def test_reference_server_with_another_model_or_all_prompts_too_long_is_refused(tmp_path, tiny_model, demo_model):
+    port = 29811
+    start_ref_server(tiny_model, port, tmp_path / "server.log")   # serves the random model, not the demo's
+    rc, out = finish(launch(tmp_path, demo_model, "--beta", "0.04", "--ref-url", f"http://127.0.0.1:{port}",
+                            port=29716))
+    assert rc != 0 and f"http://127.0.0.1:{port} serves another model than --model {demo_model}" in out
+    # the demo's prompts ("37+5=") are 5 tokens: with a limit of 4 every one is skipped, which is refused
+    rc, out = finish(launch(tmp_path, demo_model, "--beta", "0", "--max-prompt-len", "4", port=29717))
+    assert rc != 0 and "every prompt of --task demo is longer than --max-prompt-len" in out

@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_train import collate, completion_logps, group_advantages, grpo_loss, pad_batch
+from grpo_train import advantages, completion_logps, grpo_loss
+from plumbing import collate, pad_batch
+from rewards import overlong_penalty
 
 AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 
@@ -104,22 +106,82 @@ def test_ratio_one_gives_policy_gradient_and_clip_stops_it():
                             agg="token-mean", max_len=3)
     loss.backward()
     assert torch.allclose(logps.grad, torch.full((1, 3), -2.0 / 3, dtype=torch.float64))
-    assert st["clip_sum"].item() == 0
+    assert st["clip_low"].item() == 0 and st["clip_high"].item() == 0
     # ratio 1.5 > 1 + eps with a positive advantage: clipped, no gradient
     x = torch.full((1, 3), math.log(1.5), dtype=torch.float64, requires_grad=True)
     loss, _, st = grpo_loss(x, torch.zeros(1, 3, dtype=torch.float64), None, adv, mask, beta=0, eps_low=0.2,
                             eps_high=0.2, agg="token-mean", max_len=3)
     loss.backward()
-    assert (x.grad == 0).all() and st["clip_sum"].item() == 3
+    assert (x.grad == 0).all() and st["clip_high"].item() == 3 and st["clip_low"].item() == 0
 
 
 def test_group_advantages():
-    adv = group_advantages([1.0, 0.0, 0.0, 1.0])
+    adv, signal = advantages([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5], G=4)
     r = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
-    assert adv == pytest.approx(((r - 0.5) / (r.std() + 1e-4)).tolist())
-    assert sum(adv) == pytest.approx(0.0, abs=1e-12)
-    assert group_advantages([0.5, 0.5, 0.5]) is None   # no signal: the group is dropped
-    assert group_advantages([0.0, 0.0, 1.0])[2] > 0 > group_advantages([0.0, 0.0, 1.0])[0]
+    assert adv[0].tolist() == pytest.approx(((r - 0.5) / (r.std() + 1e-4)).tolist())
+    assert adv[0].sum().item() == pytest.approx(0.0, abs=1e-12)
+    assert signal.tolist() == [True, False]   # equal rewards: no signal, the group is dropped
+    adv, _ = advantages([0.0, 0.0, 1.0], G=3)
+    assert adv[0, 2] > 0 > adv[0, 0]
+
+
+def test_reward_scaling_by_hand():
+    """--scale-rewards group | batch | none and --std-floor, on numbers worked out by hand."""
+    rewards = [0.0, 2.0, 0.0, 0.2]   # groups of 2: means 1 and 0.1, unbiased stds sqrt(2) and sqrt(0.02)
+    s1, s2 = math.sqrt(2), math.sqrt(0.02)
+    adv, _ = advantages(rewards, G=2, scale="group")
+    assert adv.flatten().tolist() == pytest.approx([-1 / (s1 + 1e-4), 1 / (s1 + 1e-4), -0.1 / (s2 + 1e-4),
+                                                     0.1 / (s2 + 1e-4)])
+    sb = torch.tensor(rewards, dtype=torch.float64).std().item()   # the batch's std: sqrt(2.83 / 3)
+    adv, _ = advantages(rewards, G=2, scale="batch")
+    assert sb == pytest.approx(math.sqrt(2.83 / 3), abs=1e-12)
+    assert adv.flatten().tolist() == pytest.approx([-1 / (sb + 1e-4), 1 / (sb + 1e-4), -0.1 / (sb + 1e-4),
+                                                     0.1 / (sb + 1e-4)])
+    adv, _ = advantages(rewards, G=2, scale="none")   # Dr. GRPO: the mean is subtracted, nothing divided
+    assert adv.flatten().tolist() == pytest.approx([-1.0, 1.0, -0.1, 0.1])
+    adv, _ = advantages(rewards, G=2, scale="group", std_floor=0.5)   # second group's std 0.141 < 0.5: r - mean
+    assert adv.flatten().tolist() == pytest.approx([-1 / (s1 + 1e-4), 1 / (s1 + 1e-4), -0.1, 0.1])
+
+
+def test_overlong_penalty_by_hand():
+    """DAPO's soft overlong punishment with max 20 tokens and a buffer of 8: 0 up to 12 tokens, then linear."""
+    assert [overlong_penalty(n, 20, 8) for n in (0, 12, 13, 16, 20, 25)] == pytest.approx(
+        [0.0, 0.0, -1 / 8, -0.5, -1.0, -1.0])
+    assert overlong_penalty(20, 20, 0) == 0.0   # off
+
+
+def test_truncated_importance_sampling_weights_each_token_by_the_capped_ratio():
+    """With --tis-cap C the surrogate of token t is scaled by min(exp(old_trainer - old_vllm), C); the ratio
+    uses the trainer's old log-probs. Hand case: ratio 1 (logps == old), A = 1, IS log-ratios 0, log 1.5, log 4."""
+    logps = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
+    vllm = -torch.log(torch.tensor([[1.0, 1.5, 4.0]], dtype=torch.float64))   # old_trainer (0) - vllm = log w
+    adv, mask = torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 3)
+    loss, _, st = grpo_loss(logps, logps.detach(), None, adv, mask, beta=0, eps_low=0.2, eps_high=0.2,
+                            agg="token-mean", max_len=3, vllm_logps=vllm, tis_cap=2.0)
+    assert loss.item() == pytest.approx(-(1 + 1.5 + 2.0) / 3)   # weights 1, 1.5 and 4 capped at 2
+    loss.backward()
+    assert logps.grad[0].tolist() == pytest.approx([-1 / 3, -1.5 / 3, -2 / 3])
+    assert st["mismatch_sum"].item() == pytest.approx(math.log(1.5) + math.log(4))
+    assert st["mismatch_max"].item() == pytest.approx(math.log(4))
+    loss_off, _, _ = grpo_loss(logps, logps.detach(), None, adv, mask, beta=0, eps_low=0.2, eps_high=0.2,
+                               agg="token-mean", max_len=3, vllm_logps=vllm)   # no cap: no weights
+    assert loss_off.item() == pytest.approx(-1.0)
+
+
+def test_eps_zero_passes_gradient_only_where_the_min_is_unclipped():
+    """mu > 1 with eps 0: after the first update the ratio leaves 1 and every token whose move already helps
+    (r > 1 with A > 0, r < 1 with A < 0) is clipped: zero gradient there; the others still get r * A."""
+    x = torch.log(torch.tensor([[1.1, 0.9, 1.1, 0.9]], dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    for a in (1.0, -1.0):
+        x.grad = None
+        loss, _, st = grpo_loss(x, torch.zeros_like(x), None, adv * a, torch.ones(1, 4), beta=0, eps_low=0.0,
+                                eps_high=0.0, agg="token-mean", max_len=4)
+        loss.backward()
+        r = torch.tensor([1.1, 0.9, 1.1, 0.9], dtype=torch.float64)
+        live = (r < 1) if a > 0 else (r > 1)   # where r * A < A: the unclipped term is the min
+        assert x.grad[0].tolist() == pytest.approx((torch.where(live, -a * r / 4, 0.0)).tolist())
+        assert (st["clip_high"] if a > 0 else st["clip_low"]).item() == 2
 
 
 def test_masks_come_from_lengths_and_keep_eos():
@@ -128,8 +190,14 @@ def test_masks_come_from_lengths_and_keep_eos():
     assert ids.tolist() == [[5, 6, 8, eos, eos], [eos, 7, 9, 10, eos]]
     assert attn.tolist() == [[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]]
     assert cmask.tolist() == [[1, 1, 0], [1, 1, 1]]   # each completion's EOS is in the loss, padding is not
-    _, _, _, old, ref, adv = collate([([5], [8, eos], [-1.0, -2.0], 0.5, None), ([7], [9], [-3.0], -0.5, None)], eos)
-    assert old.tolist() == [[-1.0, -2.0], [-3.0, 0.0]] and ref is None and adv.tolist() == [0.5, -0.5]
+    b = collate([{"prompt": [5], "completion": [8, eos], "old": [-1.0, -2.0], "adv": 0.5, "truncated": False},
+                 {"prompt": [7], "completion": [9], "old": [-3.0], "adv": -0.5, "truncated": True}], eos)
+    assert b["old"].tolist() == [[-1.0, -2.0], [-3.0, 0.0]] and b["ref"] is None and b["adv"].tolist() == [0.5, -0.5]
+    assert b["truncated"].tolist() == [False, True] and b["mask"].tolist() == [[1, 1], [1, 0]]
+    masked = collate([{"prompt": [5], "completion": [8, eos], "old": [-1.0, -2.0], "adv": 0.5, "truncated": False},
+                      {"prompt": [7], "completion": [9], "old": [-3.0], "adv": -0.5, "truncated": True}], eos,
+                     mask_truncated=True)
+    assert masked["mask"].tolist() == [[1, 1], [0, 0]]   # --mask-truncated: the cut completion is out of the loss
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

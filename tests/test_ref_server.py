@@ -15,9 +15,11 @@ import torch
 from hypothesis import given, settings
 from safetensors.torch import save as st_save
 
-from grpo_train import completion_logps, pad_batch
+from grpo_train import completion_logps
+from plumbing import pad_batch
 from ref_server import (RefServerError, WireError, decode_request, decode_response, encode_request,
-                        encode_response, exposure_error, model_fingerprint, ref_logps, wait_for_server)
+                        encode_response, exposure_error, model_fingerprint, ref_logps, reload_reference,
+                        wait_for_server)
 from test_ref_server_fuzz import any_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,14 +218,14 @@ def assert_json_error(r, status, msg=""):
 
 def assert_serves(url, model):
     """A good request after whatever came before: still answered, still right."""
-    got = ref_logps(url, [[1, 2], [3]], [[4], [5, 6]], 1.0, token=TOKEN, retries=0)
+    got = ref_logps(url, [[1, 2], [3]], [[4], [5, 6]], 1.0, token=TOKEN, retry_for=0)
     for g, w in zip(got, local_logps(model, [[1, 2], [3]], [[4], [5, 6]], 1.0)):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
 
 
 def test_client_takes_the_token_from_the_environment(server, model):
     """The trainer calls ref_logps without a token: it comes from REF_SERVER_TOKEN, like the server's."""
-    code = ("import sys, ref_server; ref_server.ref_logps(sys.argv[1], [[1, 2]], [[4]], 1.0, retries=0); "
+    code = ("import sys, ref_server; ref_server.ref_logps(sys.argv[1], [[1, 2]], [[4]], 1.0, retry_for=0); "
             "print('ok')")
     env = env_without_token()
     no = subprocess.run([sys.executable, "-c", code, server], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -353,14 +355,14 @@ def test_auth_paths_and_methods(server, model):
 
 def test_client_errors(server):
     with pytest.raises(RefServerError, match="401.*token"):  # 4xx: at once, with the server's message
-        ref_logps(server, [[1]], [[2]], 1.0, token="wrong", retries=3, backoff=10)
+        ref_logps(server, [[1]], [[2]], 1.0, token="wrong", retry_for=60, backoff=10)
     with pytest.raises(RefServerError, match="401.*token"):
-        ref_logps(server, [[1]], [[2]], 1.0, retries=3, backoff=10)  # token=None: no Authorization header
+        ref_logps(server, [[1]], [[2]], 1.0, retry_for=60, backoff=10)  # token=None: no Authorization header
     dead = f"http://127.0.0.1:{free_port()}"
     t = time.monotonic()
-    with pytest.raises(RefServerError, match=f"{dead}/logps failed after 3 attempts"):
-        ref_logps(dead, [[1]], [[2]], 1.0, retries=2, backoff=0.05)
-    assert 0.15 <= time.monotonic() - t < 10  # slept 0.05 + 0.1
+    with pytest.raises(RefServerError, match=f"{dead}/logps failed after 3 attempts in 0.3s"):
+        ref_logps(dead, [[1]], [[2]], 1.0, retry_for=0.3, backoff=0.05)   # 0.05 + 0.1 fit, + 0.2 would not
+    assert 0.15 <= time.monotonic() - t < 10
     with pytest.raises(RefServerError, match="not ready"):
         wait_for_server(dead, timeout=0.5, interval=0.1)
 
@@ -385,3 +387,54 @@ def test_fuzz_live_server(server_proc, server, model):
     one()
     assert_serves(server, model)
     assert "Traceback" not in server_log(server_proc[2])
+
+
+def test_reload_swaps_the_reference_only_from_the_checkpoint_folder(tmp_path, tiny_model, model):
+    """POST /reload (--ref-sync-every): only with a token, only folders under --checkpoint-dir (no way out through
+    .. or a symlink), only real checkpoints; afterwards the server answers with the new weights."""
+    import shutil
+    from transformers import AutoModelForCausalLM
+    ckpts = tmp_path / "run"
+    new_dir = ckpts / "step_2"
+    new = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        new.model.embed_tokens.weight.mul_(1.5)   # another model (tied lm_head too), same architecture
+    new.save_pretrained(new_dir)
+    outside = tmp_path / "outside"
+    shutil.copytree(new_dir, outside)
+    (ckpts / "escape").symlink_to(outside)
+    (ckpts / "empty").mkdir()
+    proc, url, log = spawn_server(tiny_model, tmp_path / "log.txt", "--checkpoint-dir", str(ckpts),
+                                  env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
+    try:
+        wait_up(proc, url, log)
+        before = requests.get(url + "/health", timeout=10).json()["fingerprint"]
+
+        def reload(path, token=TOKEN):
+            return requests.post(url + "/reload", data=json.dumps({"path": str(path)}),
+                                 headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        assert_json_error(reload(new_dir, token="wrong"), 401, "token")
+        assert_json_error(reload(outside), 403, "not under")
+        assert_json_error(reload(ckpts / ".." / "outside"), 403, "not under")
+        assert_json_error(reload(ckpts / "escape"), 403, "not under")
+        assert_json_error(reload(ckpts / "empty"), 400, "not a checkpoint")
+        assert_json_error(reload(ckpts / "missing"), 400, "not a checkpoint")
+        for bad in (b"", b"{", b"[]", b'{"path": 3}', b'{"path": ""}', b"\xff"):
+            r = requests.post(url + "/reload", data=bad, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+            assert_json_error(r, 400, "expected a JSON body")
+        assert requests.get(url + "/health", timeout=10).json()["fingerprint"] == before   # nothing changed yet
+        health = reload_reference(url, str(new_dir), token=TOKEN)
+        assert health["fingerprint"] != before and health["model"] == str(new_dir.resolve())
+        got = ref_logps(url, [[1, 2], [3]], [[4], [5, 6]], 1.0, token=TOKEN, retry_for=0)
+        for g, w in zip(got, local_logps(new, [[1, 2], [3]], [[4], [5, 6]], 1.0)):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    finally:
+        stop_server(proc, log)
+    # without a token the endpoint is off, even with --checkpoint-dir
+    proc, url, log = spawn_server(tiny_model, tmp_path / "log2.txt", "--checkpoint-dir", str(ckpts))
+    try:
+        wait_up(proc, url, log)
+        r = requests.post(url + "/reload", data=json.dumps({"path": str(new_dir)}), timeout=10)
+        assert_json_error(r, 403, "reload is off")
+    finally:
+        stop_server(proc, log)

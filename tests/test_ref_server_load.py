@@ -46,7 +46,7 @@ def test_load(load_server, model):
     def send(i):
         prompts, completions, temperature = requests_[i]
         t = time.perf_counter()
-        got = ref_logps(url, prompts, completions, temperature, timeout=60, retries=0)
+        got = ref_logps(url, prompts, completions, temperature, timeout=60, retry_for=0)
         return i, got, time.perf_counter() - t
 
     answers, latencies = {}, []

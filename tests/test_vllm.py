@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_train import completion_logps, pad_batch
+from grpo_train import completion_logps
+from plumbing import pad_batch
 from weight_sync import load_weights_into_vllm, repack_cpu_lm_head
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
