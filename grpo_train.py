@@ -22,8 +22,8 @@ The choices this script makes, in the order a step meets them (the default, then
     KL = k3 = exp(ref - logp) - (ref - logp) - 1 against the frozen reference model (in the loss, not the
     reward). --agg: seq-mean-token-mean (GRPO, default), token-mean (DAPO) or seq-mean-token-sum-norm (Dr.
     GRPO), however the batch is split in micro-batches. --mask-truncated: no loss on cut-off completions.
- 6. --tis-cap C: old_logp is the trainer's own (its first forward on the batch), and each token's surrogate is
-    weighted by min(exp(old_trainer - old_vllm), C): truncated importance sampling for the vLLM mismatch.
+ 6. --tis-cap C: old_logp is the trainer's own (its first forward on the batch); each token's surrogate is
+    weighted by min(exp(old_trainer - old_vllm), C), truncated IS for vLLM's numerics and the lag of choice 8.
  7. One optimizer step per batch; --num-iterations mu: mu steps (PPO epochs), so r leaves 1 and the clip
     acts. A step with a non-finite gradient norm is skipped (skipped_steps); --max-skips in a row stop the run.
  8. Asynchrony: vLLM generates the next batch while the trainer trains on this one, so a batch is usually
