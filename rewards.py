@@ -5,14 +5,21 @@
     gsm8k   1.0 if the last <answer>...</answer> equals sample["answer"] according to math-verify
             (so "1,000" == "1000", "3.50" == "3.5"), else 0.0
     demo    1.0 if the last <answer>...</answer>, stripped, is exactly the string sample["answer"] ("42", "-3")
+    countdown  1.0 if the last <answer>...</answer> is an expression of + - * / and parentheses (parsed with
+            `ast`, never eval'ed) using each of sample["numbers"] exactly once, whose value is sample["answer"]
+    code    fraction of sample["tests"] that pass after the code in the last <answer>...</answer> has run, in a
+            child process with limits (sandbox.py)
 
 Pick and weight them with --rewards "gsm8k,format:0.5" (parse_reward_spec) and combine them with score().
 """
+import ast
 import math
+import operator
 import re
 import sys
 import threading
 import traceback
+from fractions import Fraction
 
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
@@ -63,7 +70,46 @@ def overlong_penalty(n_tokens: int, max_tokens: int, buffer: int) -> float:
     return max(-1.0, min(0.0, (max_tokens - buffer - n_tokens) / buffer))
 
 
-REWARDS = {"format": format_reward, "gsm8k": gsm8k_reward, "demo": demo_reward}
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def countdown_value(expr: str, used: list | None = None) -> Fraction | None:
+    """Exact value of an expression of integers, + - * / and parentheses, or None for anything else (names,
+    calls, powers, unary minus, floats, division by zero, over MAX_ANSWER_CHARS). Parsed with `ast` and
+    evaluated node by node: model output is never eval'ed. The integers met are appended to `used`."""
+    def value(node):
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            if used is not None:
+                used.append(node.value)
+            return Fraction(node.value)
+        raise ValueError(f"{type(node).__name__} is not allowed")
+    if len(expr) > MAX_ANSWER_CHARS:
+        return None
+    try:
+        return value(ast.parse(expr.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+        return None
+
+
+def countdown_reward(completion, sample):
+    pred = last_answer(completion) if isinstance(completion, str) else None
+    if pred is None or not isinstance(sample, dict):
+        return 0.0
+    used = []
+    got = countdown_value(pred.split("=")[0], used)   # "(1 + 2) * 3 = 9" counts as its left side
+    ok = got is not None and sorted(used) == sorted(sample.get("numbers", [])) and got == sample.get("answer")
+    return 1.0 if ok else 0.0
+
+
+def code_reward(completion, sample):
+    import sandbox   # here: sandbox imports this module
+    return sandbox.code_reward(completion, sample)
+
+
+REWARDS = {"format": format_reward, "gsm8k": gsm8k_reward, "demo": demo_reward, "countdown": countdown_reward,
+           "code": code_reward}
 
 
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:

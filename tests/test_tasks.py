@@ -1,0 +1,115 @@
+"""Prompt sets (tasks.py) and the Countdown checker: local GSM8K files, chat-template prompts, Countdown
+generation, the `ast` checker against hostile input, prompt-length skipping."""
+import json
+import os
+
+import pytest
+
+import rewards
+import tasks
+from demo.tiny_model import build_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k")
+TOK = build_tokenizer()
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+GSM = [{"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=<<3+4=7>>7\n#### 7"},
+       {"question": "A shirt costs $1,200. Two cost?", "answer": "2*1200=2400\n#### 2,400"}]
+
+
+def test_gsm8k_from_a_local_folder_or_file_through_the_chat_template(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", GSM)
+    write_jsonl(tmp_path / "test.jsonl", GSM[:1])
+    samples = tasks.load_task("gsm8k", "train", data=str(tmp_path), tokenizer=TOK)
+    assert [s["answer"] for s in samples] == ["7", "2400"]   # after the last ####, commas dropped
+    assert samples[0]["prompt"] == ("<|im_start|>system\n" + tasks.SYSTEM_PROMPT + "<|im_end|>\n<|im_start|>user\n"
+                                    + GSM[0]["question"] + "<|im_end|>\n<|im_start|>assistant\n")
+    # one file: the other split is found by swapping train/test in its name
+    assert len(tasks.load_task("gsm8k", "test", data=str(tmp_path / "train.jsonl"), tokenizer=TOK)) == 1
+    assert rewards.gsm8k_reward("<think>x</think><answer>2400</answer>", samples[1]) == 1.0
+
+
+def test_gsm8k_bad_data_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no test split"):
+        write_jsonl(tmp_path / "train.jsonl", GSM)
+        tasks.load_task("gsm8k", "test", data=str(tmp_path), tokenizer=TOK)
+    (tmp_path / "test.jsonl").write_text(json.dumps(GSM[0]) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"test.jsonl:2: not a JSON line"):
+        tasks.load_task("gsm8k", "test", data=str(tmp_path), tokenizer=TOK)
+    write_jsonl(tmp_path / "test.jsonl", [{"question": "q", "answer": "no marker"}])
+    with pytest.raises(ValueError, match="record 1 needs"):
+        tasks.load_task("gsm8k", "test", data=str(tmp_path), tokenizer=TOK)
+    with pytest.raises(ValueError, match="must contain 'train' or 'test'"):
+        tasks.load_task("gsm8k", "test", data=str(tmp_path / "other.jsonl"), tokenizer=TOK)
+    with pytest.raises(ValueError, match="tokenizer"):
+        tasks.load_task("gsm8k", "train", data=str(tmp_path), tokenizer=None)
+
+
+def test_real_gsm8k_files():
+    if not os.path.isdir(GSM8K):
+        pytest.skip("no ../shared/data/gsm8k (a fresh clone has none)")
+    train = tasks.load_task("gsm8k", "train", data=GSM8K, tokenizer=TOK)
+    test = tasks.load_task("gsm8k", "test", data=GSM8K, tokenizer=TOK)
+    assert (len(train), len(test)) == (7473, 1319)
+    assert all(float(s["answer"]) == float(s["answer"]) for s in train + test)   # every gold is a number
+
+
+def test_countdown_problems_are_seeded_solvable_and_held_out():
+    a = tasks.countdown_problems(300, seed=7)
+    assert a == tasks.countdown_problems(300, seed=7) and a != tasks.countdown_problems(300, seed=8)
+    test = tasks.load_task("countdown", "test", tokenizer=TOK)
+    train = tasks.load_task("countdown", "train", tokenizer=TOK, seed=3)
+    assert (len(train), len(test)) == (10000, 500)
+    key = lambda s: (tuple(sorted(s["numbers"])), s["answer"])
+    assert not {key(s) for s in train} & {key(s) for s in test}   # disjoint splits
+    for s in train[:2000] + test:   # the expression that made each problem solves it
+        assert 3 <= len(s["numbers"]) <= 4 and 1 <= s["answer"] <= 999
+        assert rewards.countdown_reward(f"<think>.</think><answer>{s['solution']}</answer>", s) == 1.0
+
+
+def test_countdown_from_a_file(tmp_path):
+    write_jsonl(tmp_path / "countdown_test.jsonl", [{"numbers": [3, 5, 7], "target": 22}])
+    (s,) = tasks.load_task("countdown", "test", data=str(tmp_path / "countdown_test.jsonl"), tokenizer=TOK)
+    assert s["answer"] == 22 and "[3, 5, 7]" in s["prompt"] and "22" in s["prompt"]
+    assert rewards.countdown_reward("<answer>3 * 5 + 7</answer>", s) == 1.0
+
+
+SAMPLE = {"numbers": [3, 5, 7], "answer": 22}
+
+
+@pytest.mark.parametrize("answer,expected", [
+    ("3 * 5 + 7", 1.0), ("(7 + 5 * 3)", 1.0), (" 7+3*5 = 22", 1.0),   # any order; a trailing "= 22" is fine
+    ("3 * 5 + 6", 0.0),                       # wrong numbers
+    ("3 * 5 - 7", 0.0),                       # wrong value
+    ("3 * 5 + 7 + 3 - 3", 0.0),               # a number used twice
+    ("3 * 5 + 7 * 1", 0.0),                   # a number not given
+    ("3 * 5", 0.0),                           # a number missing
+    ("(3 + 5 + 7) / (5 - 5)", 0.0),           # division by zero
+    ("3 ** 5 + 7", 0.0), ("9 ** 9 ** 9", 0.0),   # no powers (and no huge numbers)
+    ("-3 + 5 * 7", 0.0),                      # no unary minus
+    ("3.0 * 5 + 7", 0.0),                     # integers only
+    ("__import__('os').system('touch /tmp/pwned') or 22", 0.0),
+    ("(lambda: 22)()", 0.0), ("[3, 5, 7][0]", 0.0), ("().__class__", 0.0), ("x", 0.0), ("'22'", 0.0),
+    ("(" * 500 + "3" + ")" * 500, 0.0),        # over the length limit, never parsed
+    ("", 0.0), ("3 * (5 + 7", 0.0),
+])
+def test_countdown_checker(answer, expected):
+    assert rewards.countdown_reward(f"<think>.</think><answer>{answer}</answer>", SAMPLE) == expected
+    assert not os.path.exists("/tmp/pwned")
+
+
+def test_countdown_checker_never_raises():
+    for completion, sample in [(None, SAMPLE), ("no answer", SAMPLE), ("<answer>1</answer>", None),
+                               ("<answer>1</answer>", {}), ("<answer>" + "1+" * 5000 + "1</answer>", SAMPLE)]:
+        assert rewards.countdown_reward(completion, sample) == 0.0
+
+
+def test_long_prompts_are_skipped_and_counted_never_truncated():
+    samples = [{"prompt": "x" * n, "answer": "1"} for n in (3, 10, 4, 11)]   # one token per character
+    kept, skipped = tasks.drop_long_prompts(samples, TOK, max_len=4)
+    assert [len(s["prompt"]) for s in kept] == [3, 4] and skipped == 2
