@@ -17,4 +17,4 @@ demo: $(VENV)/.installed
 	$(PY) -m demo.run_demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests

@@ -27,7 +27,7 @@ def run_demo(out_dir, *args, timeout=600):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_short_run_finishes_logs_checkpoints_and_learns(tmp_path, demo_model, world_size):
-    steps = 30
+    steps = 20
     stdout, rows = run_demo(tmp_path, "--model", demo_model, "--steps", str(steps), "--eval-every", "10",
                             "--world-size", str(world_size))
     assert [r["step"] for r in rows] == list(range(1, steps + 1))   # one line per optimizer step
