@@ -163,8 +163,9 @@ GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k")
                                           ("gsm8k", "gsm8k,format:0.5")])
 def test_real_task_plumbing_end_to_end(tmp_path, tiny_model, task, rewards):
     """Chat-template prompts, the task's reward and the held-out evaluation run end to end (the random tiny
-    model scores about 0: this proves the plumbing, not learning). GSM8K reads the real files in ../shared,
-    and its long questions exceed the 400-token limit of this run: they are skipped and counted."""
+    model scores about 0: this proves the plumbing, not learning). Its completions end at random lengths, so
+    the overlong penalty gives groups unequal rewards and the optimizer does step. GSM8K reads the real files
+    in ../shared, and its long questions exceed the 400-token limit of this run: they are skipped and counted."""
     data = []
     if task == "gsm8k":
         if not os.path.isdir(GSM8K):
@@ -173,8 +174,8 @@ def test_real_task_plumbing_end_to_end(tmp_path, tiny_model, task, rewards):
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [deepspeed, "--num_gpus", "1", "--master_port", "29606", "grpo_train.py", "--model", tiny_model,
            "--out-dir", str(tmp_path), "--task", task, "--rewards", rewards, *data, "--steps", "2", "--beta", "0",
-           "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16", "--max-prompt-len", "400",
-           "--eval-every", "1", "--eval-size", "4"]
+           "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "16", "--overlong-buffer", "15",
+           "--max-prompt-len", "400", "--eval-every", "1", "--eval-size", "4"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     with open(tmp_path / "metrics.jsonl") as f:
@@ -183,5 +184,6 @@ def test_real_task_plumbing_end_to_end(tmp_path, tiny_model, task, rewards):
     names = [part.split(":")[0] for part in rewards.split(",")]
     assert all(f"reward/{n}" in r and r["reward/errors"] == 0 for r in rows for n in names)
     assert 0 <= rows[-1]["eval/accuracy"] <= 1
+    assert max(r["batch/groups"] for r in rows) > 0 and max(r["grad_norm"] for r in rows) > 0   # it trained
     if task == "gsm8k":
         assert rows[0]["data/too_long"] > 0   # GSM8K questions of 400+ characters (one token each here)
