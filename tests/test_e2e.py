@@ -25,11 +25,11 @@ def run_demo(out_dir, *args, timeout=600):
         return p.stdout, [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_short_run_finishes_logs_checkpoints_and_learns(tmp_path, demo_model, world_size):
+def test_short_run_finishes_logs_checkpoints_and_learns(tmp_path, demo_model):
+    """20 steps on 2 training ranks (world size 1 runs in the parity, variant and fault tests)."""
     steps = 20
     stdout, rows = run_demo(tmp_path, "--model", demo_model, "--steps", str(steps), "--eval-every", "10",
-                            "--world-size", str(world_size))
+                            "--world-size", "2")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))   # one line per optimizer step
     for r in rows:
         assert all(k in r for k in REQUIRED), sorted(set(REQUIRED) - set(r))
@@ -83,6 +83,8 @@ def test_update_does_not_depend_on_world_size_or_micro_batches(tmp_path, demo_mo
         assert (one[k] - two[k]).abs().max().item() < 1e-2 * moved, k
 
 
+@pytest.mark.skipif(not os.environ.get("GRPO_TEST_OFFLOAD"),
+                    reason="compiles DeepSpeed's CPU Adam (~2 min); run with GRPO_TEST_OFFLOAD=1")
 def test_optimizer_offload_takes_the_same_step(tmp_path, demo_model):
     """ds_config_offload.json (ZeRO-2, optimizer states and step on the CPU with DeepSpeed's CPU Adam, built
     on first use) trains the same batch to the same loss, gradient norm and weights as torch's AdamW."""
@@ -115,15 +117,17 @@ def test_eval_only_scores_a_checkpoint_without_training(tmp_path, demo_model):
 
 # ----------------------------------------------------------------------------- the GRPO variants (choices 2-7)
 
-def test_ppo_epochs_truncated_is_overlong_penalty_and_truncation_mask(tmp_path, demo_model):
-    """--num-iterations 2 with a tight clip: the second pass meets ratios != 1 and clips; --tis-cap: the
-    trainer's and vLLM's old log-probs agree to fp32 noise while the batch is on-policy (step 1), and differ by
-    the update in between when it was sampled a version earlier (policy_lag 1, the mismatch TIS corrects);
-    --max-new-tokens 5 cuts the three-digit answers
-    (--mask-truncated leaves them out of the loss); --overlong-buffer 3 gives every completion (2 - n) / 3."""
+def test_variants_ppo_epochs_tis_overlong_truncation_dynamic_sampling(tmp_path, demo_model):
+    """One run with the variants that combine. --num-iterations 2 with a tight clip: the second pass meets
+    ratios != 1 and clips. --tis-cap: the trainer's and vLLM's old log-probs agree to fp32 noise while the
+    batch is on-policy (step 1), and differ by the update in between when it was sampled a version earlier
+    (policy_lag 1: the mismatch TIS corrects). --max-new-tokens 5 cuts the three-digit answers (--mask-truncated
+    leaves them out of the loss); --overlong-buffer 3 gives every completion (2 - n) / 3. --max-gen-rounds 4:
+    rounds of 16 prompts until 16 groups have unequal rewards, with Dr. GRPO scaling and a std floor."""
     _, rows = run_demo(tmp_path, "--model", demo_model, "--steps", "6", "--eval-every", "0", "--",
                        "--num-iterations", "2", "--eps-low", "0.01", "--eps-high", "0.01", "--tis-cap", "2",
-                       "--overlong-buffer", "3", "--max-new-tokens", "5", "--mask-truncated", "--lr", "1e-3")
+                       "--overlong-buffer", "3", "--max-new-tokens", "5", "--mask-truncated", "--lr", "1e-3",
+                       "--max-gen-rounds", "4", "--scale-rewards", "none", "--std-floor", "0.3")
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert sum(r["clip/low"] + r["clip/high"] for r in rows) > 0   # the second epoch clipped something
     assert rows[0]["policy_lag"] == 0 and rows[0]["sampling/logp_diff_max"] < 1e-3
@@ -132,15 +136,8 @@ def test_ppo_epochs_truncated_is_overlong_penalty_and_truncation_mask(tmp_path, 
         # max 5, buffer 3: penalty (2 - n) / 3 for n in 2..5, so the mean follows the mean length
         assert r["reward/overlong"] == pytest.approx((2 - r["completion_len/mean"]) / 3, abs=1e-9)
     assert max(r["completion_len/truncated"] for r in rows) > 0   # some completions were cut (and masked)
-
-
-def test_dynamic_sampling_fills_every_batch_with_signal(tmp_path, demo_model):
-    """--max-gen-rounds 4: rounds of 16 prompts until 16 groups have unequal rewards; Dr. GRPO scaling on."""
-    _, rows = run_demo(tmp_path, "--model", demo_model, "--steps", "4", "--eval-every", "0", "--",
-                       "--max-gen-rounds", "4", "--scale-rewards", "none", "--std-floor", "0.3")
     assert all(r["batch/groups"] == 16 for r in rows), [(r["batch/groups"], r["gen/rounds"]) for r in rows]
-    assert max(r["gen/rounds"] for r in rows) > 1 and all(r["frac_zero_std"] > 0 for r in rows if r["gen/rounds"] > 1)
-    assert all(r["data/prompts_seen"] % 16 == 0 for r in rows)
+    assert max(r["gen/rounds"] for r in rows) > 1 and all(r["data/prompts_seen"] % 16 == 0 for r in rows)
 
 
 def test_reference_refresh_makes_the_reference_the_policy(tmp_path, demo_model):

@@ -45,10 +45,9 @@ def finish(proc, timeout=300):
 
 
 def test_bad_configuration_is_refused_with_a_message(tmp_path, tiny_model):
-    rc, out = finish(launch(tmp_path, tiny_model, "--beta", "0", "--group-size", "1"))
-    assert rc != 0 and "--group-size must be >= 2" in out
-    rc, out = finish(launch(tmp_path, str(tmp_path / "no-such-model"), "--beta", "0", port=29701))
-    assert rc != 0 and "no such folder" in out
+    """Through the launcher: the run stops with check_config's message (every check: the unit test below)."""
+    rc, out = finish(launch(tmp_path, str(tmp_path / "no-such-model"), "--beta", "0", "--group-size", "1"))
+    assert rc != 0 and "--group-size must be >= 2" in out and "no such folder" in out
 
 
 def test_reference_server_not_up_is_a_clear_error_naming_the_url(tmp_path, tiny_model):
@@ -266,12 +265,21 @@ def test_check_config_names_every_bad_flag():
         check_config(get_args(["--model", "m/m", "--prompts-per-step", "1", "--group-size", "2"]), world=4)
 
 
-def test_reference_server_with_another_model_or_all_prompts_too_long_is_refused(tmp_path, tiny_model, demo_model):
+def test_reference_server_with_another_model_is_refused(tmp_path, tiny_model, demo_model):
     port = 29811
     start_ref_server(tiny_model, port, tmp_path / "server.log")   # serves the random model, not the demo's
     rc, out = finish(launch(tmp_path, demo_model, "--beta", "0.04", "--ref-url", f"http://127.0.0.1:{port}",
                             port=29716))
     assert rc != 0 and f"http://127.0.0.1:{port} serves another model than --model {demo_model}" in out
-    # the demo's prompts ("37+5=") are 5 tokens: with a limit of 4 every one is skipped, which is refused
-    rc, out = finish(launch(tmp_path, demo_model, "--beta", "0", "--max-prompt-len", "4", port=29717))
-    assert rc != 0 and "every prompt of --task demo is longer than --max-prompt-len" in out
+
+
+def test_long_prompts_are_skipped_and_a_task_with_none_left_is_refused():
+    from demo.tiny_model import build_tokenizer
+    from grpo_train import get_args
+    from plumbing import load_data
+    tok = build_tokenizer()
+    # the demo's prompts ("37+5=") are 5 tokens: a limit of 5 keeps all 360, a limit of 4 skips every one
+    train, held_out, too_long = load_data(get_args(["--model", "m/m", "--max-prompt-len", "5"]), tok)
+    assert (len(train), len(held_out), too_long) == (360, 90, 0)
+    with pytest.raises(SystemExit, match="every prompt of --task demo is longer than --max-prompt-len"):
+        load_data(get_args(["--model", "m/m", "--max-prompt-len", "4"]), tok)

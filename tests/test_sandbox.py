@@ -17,9 +17,8 @@ def answer(code):
 ADD = {"tests": ["assert add(1, 2) == 3", "assert add(-5, 5) == 0", "assert add(10, 32) == 42"]}
 
 
-def no_children_left():
-    time.sleep(0.2)
-    return not psutil.Process().children(recursive=True)
+def children():
+    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 def test_every_reference_solution_passes_its_tests():
@@ -51,10 +50,11 @@ def test_partial_credit_and_no_answer():
     ("ctypes", "import ctypes\nctypes.CDLL(None).system(b'touch /tmp/pwned_ctypes')"),
 ])
 def test_hostile_completions_are_contained_and_score_zero(name, code):
-    t0 = time.time()
+    before, t0 = children(), time.time()   # (other tests' servers may be running: only new ones count)
     assert sandbox.code_reward(answer(code), ADD) == 0.0
     assert time.time() - t0 < 10   # the 5 s wall-clock limit, plus start-up
-    assert no_children_left() and not os.path.exists("/tmp/pwned_ctypes")
+    time.sleep(0.2)
+    assert not children() - before and not os.path.exists("/tmp/pwned_ctypes")
 
 
 def test_the_environment_is_not_inherited(monkeypatch):
