@@ -1,95 +1,156 @@
 """The code task's reward: a completion's Python runs against unit tests in a child process (the rule-based
 "reward server" of code-RL pipelines, kept local and small).
 
+The child only computes, the parent judges. A test `assert E == V` (or `assert E`, `assert not E`) is split in
+the parent: the child is sent E alone and writes back E's value as JSON; the parent compares it with V, which
+never leaves the parent. So nothing the completion does inside the child (an object whose __eq__ is always
+True, patched builtins, sys.exit(), printed fake results) can pass a test without producing the right values.
+Result lines carry a random nonce only so that the completion's own prints are not taken for results.
+
 The child is `python -I -S` (isolated: no PYTHON* variables, no site-packages) started with an EMPTY
 environment (no token or key of the trainer's reaches it) in a fresh temporary directory, in a session of its
-own that is killed whole after `timeout_s`. Before the completion runs, a trusted prologue sets resource limits
-(CPU seconds, address space, file size, open files) and installs an audit hook (PEP 578) that refuses
-processes (fork, exec, subprocess, os.system), sockets, ctypes, signals to other processes, reading outside
-the standard library and the temporary directory (no /proc/<pid>/environ, no project files), and writing,
-renaming or deleting outside the temporary directory. Each passed test prints a line carrying a random nonce
-the completion is not given, so printing "ok" or exiting early scores nothing.
+own that is killed whole after `timeout_s` or 1 MiB of output. Before the completion runs, a trusted prologue
+sets resource limits (CPU seconds, address space, file size, open files, no core dumps, no processes for a
+non-root user) and installs an audit hook (PEP 578) that refuses new processes (fork, exec, spawn, os.system,
+_posixsubprocess, sub-interpreters), signals, sockets, ctypes, changing rlimits, reading files outside the
+standard library and the temporary directory (no /proc/<pid>/environ, no project files), and writing, renaming,
+linking or deleting outside that directory. OpenAI human-eval's `reliability_guard` instead sets such functions
+to None, which the code it guards can undo (posix.kill is still there); here that is done only for
+signal.pidfd_send_signal, which is not audited.
 
-This is defence in depth for a teaching project, NOT a security boundary: in-process Python code can reach the
-nonce (frame introspection) or find a way around an audit hook. For completions from models you do not trust,
-run this in a container or jail (nsjail, firejail, gVisor) as well. RLIMIT_NPROC is not relied on: root
-ignores it (the audit hook stops forks instead).
+This is defence in depth for a teaching project, NOT a security boundary. Known gaps: an audit hook sees only
+the calls CPython audits (os.mknod and os.mkfifo are not: they can create empty special files wherever the user
+may, though opening one is refused; threads are not, and RLIMIT_NPROC does not bind root); in-process code can
+re-create a built-in module the prologue trimmed, or find some other way around the hook; and the child runs as
+the trainer's user. For completions from models you do not trust, run this in a container or jail (nsjail,
+firejail, gVisor) as an unprivileged user as well.
 """
+import ast
 import json
 import os
 import secrets
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 from rewards import last_answer
 
-PROLOGUE = r'''
-import os, resource, sys
-def _main(nonce, code, tests, cpu_s, mem_mb):
-    for lim, val in ((resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_AS, mem_mb << 20),
-                     (resource.RLIMIT_FSIZE, 1 << 20), (resource.RLIMIT_NOFILE, 64)):
-        resource.setrlimit(lim, (val, val))
-    here, lib = os.getcwd() + os.sep, (os.path.realpath(sys.base_prefix) + os.sep, os.path.realpath(sys.prefix) + os.sep)
-    def inside(path, roots):
-        try:
-            return isinstance(path, (str, bytes)) and (os.path.realpath(os.fsdecode(path)) + os.sep).startswith(roots)
-        except Exception:
+PROLOGUE = r"""
+import _signal, json, os, resource, sys
+def _main(nonce, code, exprs, cpu_s, mem_mb):
+    for lim, val in ((resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_AS, mem_mb << 20), (resource.RLIMIT_CORE, 0),
+                     (resource.RLIMIT_FSIZE, 1 << 20), (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_NPROC, 0)):
+        resource.setrlimit(lim, (val, val))   # NPROC 0: no fork, however many processes the user already has
+    _signal.__dict__.pop("pidfd_send_signal", None)   # not audited: it would let the completion kill its parent
+    here = os.getcwd() + os.sep
+    lib = tuple(os.path.realpath(p) + os.sep for p in (sys.base_prefix, sys.prefix))
+    def allowed(path, how):   # how: "read", "list" or "write"
+        if type(path) not in (str, bytes):   # a str subclass's own methods could show realpath another path
             return False
-    banned = ("os.system", "os.exec", "os.spawn", "os.posix_spawn", "os.fork", "os.forkpty", "subprocess.Popen",
-              "os.kill", "os.killpg", "signal.pthread_kill", "socket.", "ctypes.", "os.putenv", "os.unsetenv",
-              "os.chdir", "os.setsid", "resource.setrlimit", "gc.get_")
+        try:
+            real = os.path.realpath(os.fsdecode(path))
+        except (OSError, ValueError):
+            return False
+        if (real + os.sep).startswith(here):   # anything in its own directory but a device or FIFO (os.mknod)
+            return not os.path.exists(real) or os.path.isfile(real) or os.path.isdir(real)
+        # the standard library: read its files and list its folders, never open a folder (a folder's descriptor,
+        # passed as dir_fd=, would take a path that looks inside the sandbox to a file outside it)
+        return (real + os.sep).startswith(lib) and (os.path.isfile(real) if how == "read" else
+                                                    how == "list" and os.path.isdir(real))
+    banned = ("os.system", "os.exec", "os.spawn", "os.posix_spawn", "os.fork", "os.forkpty", "os.kill", "os.killpg",
+              "socket.", "ctypes.", "resource.", "cpython.PyInterpreterState_New")   # (sub-interpreters lack the hook)
     def hook(event, args):
-        if event.startswith(banned):
+        if event.startswith(banned) or event == "import" and args[0] == "_posixsubprocess":   # fork_exec isn't audited
             raise PermissionError(f"sandbox: {event} is not allowed")
-        if event == "open" and isinstance(args[0], (str, bytes)):
-            write = any(c in (args[1] or "") for c in "wax+") or (args[2] or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
-            if not inside(args[0], (here,) if write else (here, *lib)):
-                raise PermissionError(f"sandbox: open({args[0]!r}) outside the sandbox")
-        if event in ("os.remove", "os.rmdir", "os.rename", "os.mkdir", "os.symlink", "os.link", "os.chmod",
-                     "os.truncate", "os.utime", "shutil.rmtree") and not all(
-                inside(a, (here,)) for a in args if isinstance(a, (str, bytes))):
+        if event == "open":
+            path, mode, flags = args
+            write = any(c in (mode or "") for c in "wax+") or flags & (
+                os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND)   # O_RDONLY | O_TRUNC truncates
+            ok = type(path) is int or allowed(path, "write" if write else "read")
+        elif event.startswith(("os.", "shutil.")):   # remove, rename, link, chmod, mkdir, utime, copy...: all write
+            how = "list" if event in ("os.listdir", "os.scandir", "os.walk") else "write"
+            ok = all(allowed(a, how) for a in args if isinstance(a, (str, bytes)))
+        else:
+            ok = True
+        if not ok:
             raise PermissionError(f"sandbox: {event} outside the sandbox")
     sys.addaudithook(hook)
     ns = {"__name__": "__completion__"}
     try:
         exec(compile(code, "<completion>", "exec"), ns)
-    except BaseException:
+    except BaseException:   # a crash or sys.exit() at import: the tests still run (and fail if nothing was defined)
         pass
-    for i, test in enumerate(tests):
-        try:
-            exec(compile(test, f"<test {i}>", "exec"), ns)
+    for i, expr in enumerate(exprs):
+        try:   # the value must be JSON: an object of the completion's own class fails
+            os.write(1, f"\n{nonce} {i} {json.dumps(eval(expr, ns))}\n".encode())
         except BaseException:
-            continue
-        sys.__stdout__.write(f"\n{nonce} {i}\n")
-        sys.__stdout__.flush()
-import json
-_args = json.loads(sys.stdin.read())
-del json
-_main(*_args)
-'''
+            pass
+_main(*json.loads(open(sys.argv[1]).read()))
+"""
+
+
+def split_test(test: str) -> tuple[str, bool, object]:
+    """'assert E == V' -> (E, False, V), 'assert E' -> (E, True, True), 'assert not E' -> (E, True, False): what the
+    child evaluates, whether only its truth counts, and the expected value as JSON sees it (tuples are lists). The
+    tests are this project's own, so any other form is a bug."""
+    node = ast.parse(test).body[0]
+    if not isinstance(node, ast.Assert):
+        raise ValueError(f"not an assert: {test!r}")
+    e = node.test
+    if isinstance(e, ast.Compare) and len(e.ops) == 1 and isinstance(e.ops[0], ast.Eq):
+        return ast.unparse(e.left), False, json.loads(json.dumps(ast.literal_eval(e.comparators[0])))
+    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.Not):
+        return ast.unparse(e.operand), True, False
+    return ast.unparse(e), True, True
 
 
 def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int = 4, mem_mb: int = 512) -> int:
-    """Number of `tests` (Python statements, usually asserts) that pass after `code` has run, in the sandbox."""
-    nonce = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory(prefix="grpo_sandbox_") as tmp, open(os.path.join(tmp, ".out"), "w+") as out:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", PROLOGUE], cwd=tmp, env={},
-                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            proc.communicate(json.dumps([nonce, code, tests, cpu_s, mem_mb]).encode(), timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
+    """Number of `tests` (assert statements, see split_test) that pass after `code` has run, in the sandbox."""
+    checks, nonce = [split_test(t) for t in tests], secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="grpo_sandbox_", ignore_cleanup_errors=True) as root:
+        work, args = os.path.join(root, "work"), os.path.join(root, "args.json")
+        os.mkdir(work)
+        with open(args, "w") as f:   # read by the prologue before its hook shuts everything outside `work`
+            json.dump([nonce, code, [expr for expr, _, _ in checks], cpu_s, mem_mb], f)
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", PROLOGUE, args], cwd=work, env={},
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        out, deadline = b"", time.monotonic() + timeout_s
+        try:   # read until EOF (the child is gone), the deadline, or 1 MiB; poll() wakes as soon as the child exits,
+            poller = select.poll()   # where Popen.wait(timeout) sleeps in steps of up to 50 ms
+            poller.register(proc.stdout, select.POLLIN)
+            while len(out) < 1 << 20 and poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                chunk = os.read(proc.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    break
+                out += chunk
         finally:
-            try:   # the whole session: whatever it started (if anything got through) goes too
+            try:   # the whole session (if anything got through, it goes too); before wait(), so the pid is still ours
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             proc.wait()
-        out.seek(0)
-        lines = out.read(1 << 20).splitlines()   # the prologue capped the file at 1 MiB
-    return len({line.split()[1] for line in lines if line.startswith(nonce + " ") and len(line.split()) == 2})
+            proc.stdout.close()
+    text = out.decode("utf-8", "replace")
+    lines = {}
+    for line in text.splitlines():
+        parts = line.split(" ", 2)
+        if len(parts) == 3 and parts[0] == nonce:
+            lines.setdefault(parts[1], []).append(parts[2])
+    passed = 0
+    for i, (_, truth, want) in enumerate(checks):
+        got = lines.get(str(i), [])
+        if len(got) != 1:   # none, or a second one: the completion found the nonce and offers a guess of its own
+            continue
+        try:
+            value = json.loads(got[0])   # plain data; never unpickled
+        except (ValueError, RecursionError):
+            continue
+        passed += (bool(value) if truth else value) == want
+    return passed
 
 
 def extract_code(completion: str) -> str | None:
@@ -108,11 +169,11 @@ def code_reward(completion, sample):
     """Fraction of the sample's unit tests that pass; 0 without an answer. Never raises."""
     code = extract_code(completion)
     tests = sample.get("tests") if isinstance(sample, dict) else None
-    if not code or not tests:
+    if not code or not isinstance(tests, list) or not tests:
         return 0.0
     try:
         return run_tests(code, tests) / len(tests)
-    except OSError:   # could not even start the child (out of processes or files): no credit, and the run goes on
+    except Exception:   # could not start the child (out of processes or files), or a malformed test: no credit
         return 0.0
 
 
