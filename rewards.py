@@ -97,10 +97,11 @@ def countdown_reward(completion, sample):
     pred = last_answer(completion) if isinstance(completion, str) else None
     if pred is None or not isinstance(sample, dict):
         return 0.0
-    used = []
+    used, numbers = [], sample.get("numbers")
     got = countdown_value(pred.split("=")[0], used)   # "(1 + 2) * 3 = 9" counts as its left side
-    ok = got is not None and sorted(used) == sorted(sample.get("numbers", [])) and got == sample.get("answer")
-    return 1.0 if ok else 0.0
+    if got is None or not isinstance(numbers, (list, tuple)) or not all(type(x) is int for x in numbers):
+        return 0.0   # also a malformed sample: sorting mixed or missing numbers would raise
+    return 1.0 if sorted(used) == sorted(numbers) and got == sample.get("answer") else 0.0
 
 
 def code_reward(completion, sample):

@@ -65,17 +65,19 @@ def data_file(data: str, split: str) -> str:
     raise ValueError(f"--data {data}: no {split} split (looked for {' and '.join(candidates)})")
 
 
-def read_records(path: str) -> list[dict]:
-    """Records of a JSONL or Parquet file; a bad line is a ValueError naming the file and line."""
+def read_records(path: str) -> list[tuple[str, dict]]:
+    """(where, record) for each record of a JSONL or Parquet file, where = "path:line" (or "path row i"), so
+    that an error names the place; a bad line is a ValueError naming the file and line."""
     if path.endswith(".parquet"):
         import datasets
-        return list(datasets.load_dataset("parquet", data_files=path, split="train"))
+        return [(f"{path} row {i}", r) for i, r in enumerate(datasets.load_dataset("parquet", data_files=path,
+                                                                                   split="train"), 1)]
     out = []
     with open(path) as f:
         for i, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    out.append(json.loads(line))
+                    out.append((f"{path}:{i}", json.loads(line)))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{i}: not a JSON line ({e})") from None
     return out
@@ -84,14 +86,14 @@ def read_records(path: str) -> list[dict]:
 def gsm8k_samples(split: str, data: str | None, tokenizer) -> list[dict]:
     if data is None:   # from the hub (needs the internet once; cached by datasets afterwards)
         import datasets
-        records, where = list(datasets.load_dataset("openai/gsm8k", "main", split=split)), "openai/gsm8k"
+        records = [(f"openai/gsm8k {split} row {i}", r)
+                   for i, r in enumerate(datasets.load_dataset("openai/gsm8k", "main", split=split), 1)]
     else:
-        where = data_file(data, split)
-        records = read_records(where)
+        records = read_records(data_file(data, split))
     out = []
-    for i, r in enumerate(records, 1):
+    for where, r in records:
         if not (isinstance(r, dict) and isinstance(r.get("question"), str) and "####" in str(r.get("answer"))):
-            raise ValueError(f"{where}: record {i} needs a 'question' and an 'answer' ending in '#### <number>'")
+            raise ValueError(f"{where}: a GSM8K record needs a 'question' and an 'answer' ending in '#### <number>'")
         gold = r["answer"].split("####")[-1].strip().replace(",", "")
         out.append({"prompt": chat_prompt(tokenizer, r["question"]), "answer": gold})
     return out
@@ -116,9 +118,19 @@ def countdown_problems(n: int, seed: int, exclude=frozenset()) -> list[dict]:
     return out
 
 
+def countdown_record(where: str, r) -> dict:
+    """r if it has "numbers" (a list of integers) and an integer "target", else a ValueError naming `where`: a
+    malformed problem would otherwise score 0 forever, silently."""
+    is_int = lambda x: type(x) is int   # not bool, not float: the reward compares exact integers
+    if not (isinstance(r, dict) and isinstance(r.get("numbers"), list) and r["numbers"]
+            and all(map(is_int, r["numbers"])) and is_int(r.get("target"))):
+        raise ValueError(f"{where}: a Countdown record needs 'numbers' (a list of integers) and an integer 'target'")
+    return r
+
+
 def countdown_samples(split: str, data: str | None, seed: int, tokenizer) -> list[dict]:
     if data is not None:
-        problems = read_records(data_file(data, split))
+        problems = [countdown_record(where, r) for where, r in read_records(data_file(data, split))]
     else:
         test = countdown_problems(COUNTDOWN_SIZES["test"], COUNTDOWN_TEST_SEED)
         problems = test if split == "test" else countdown_problems(

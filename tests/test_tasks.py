@@ -41,13 +41,31 @@ def test_gsm8k_bad_data_is_a_clear_error(tmp_path):
     (tmp_path / "test.jsonl").write_text(json.dumps(GSM[0]) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"test.jsonl:2: not a JSON line"):
         tasks.load_task("gsm8k", "test", data=str(tmp_path), tokenizer=TOK)
-    write_jsonl(tmp_path / "test.jsonl", [{"question": "q", "answer": "no marker"}])
-    with pytest.raises(ValueError, match="record 1 needs"):
+    (tmp_path / "test.jsonl").write_text(json.dumps(GSM[0]) + "\n\n" + json.dumps({"question": "q", "answer": "5"}))
+    with pytest.raises(ValueError, match=r"test.jsonl:3: a GSM8K record needs"):   # the line, blank lines counted
         tasks.load_task("gsm8k", "test", data=str(tmp_path), tokenizer=TOK)
     with pytest.raises(ValueError, match="must contain 'train' or 'test'"):
         tasks.load_task("gsm8k", "test", data=str(tmp_path / "other.jsonl"), tokenizer=TOK)
+    write_jsonl(tmp_path / "gsm_train_v2.jsonl", GSM)
+    with pytest.raises(ValueError, match=r"no test split \(looked for .*gsm_test_v2.jsonl\)"):
+        tasks.load_task("gsm8k", "test", data=str(tmp_path / "gsm_train_v2.jsonl"), tokenizer=TOK)
     with pytest.raises(ValueError, match="tokenizer"):
         tasks.load_task("gsm8k", "train", data=str(tmp_path), tokenizer=None)
+
+
+def test_gsm8k_from_parquet(tmp_path):
+    import datasets
+    datasets.Dataset.from_list(GSM).to_parquet(str(tmp_path / "train.parquet"))
+    samples = tasks.load_task("gsm8k", "train", data=str(tmp_path), tokenizer=TOK)
+    assert [s["answer"] for s in samples] == ["7", "2400"]
+
+
+def test_a_tokenizer_without_chat_template_gets_plain_text(tmp_path):
+    tok = build_tokenizer()
+    tok.chat_template = None   # a base model's tokenizer
+    write_jsonl(tmp_path / "train.jsonl", GSM[:1])
+    (s,) = tasks.load_task("gsm8k", "train", data=str(tmp_path), tokenizer=tok)
+    assert s["prompt"] == tasks.SYSTEM_PROMPT + "\n\n" + GSM[0]["question"] + "\n\n"
 
 
 def test_real_gsm8k_files():
@@ -65,6 +83,7 @@ def test_countdown_problems_are_seeded_solvable_and_held_out():
     test = tasks.load_task("countdown", "test", tokenizer=TOK)
     train = tasks.load_task("countdown", "train", tokenizer=TOK, seed=3)
     assert (len(train), len(test)) == (10000, 500)
+    assert test == tasks.load_task("countdown", "test", tokenizer=TOK, seed=4)   # held-out set: fixed seed
     key = lambda s: (tuple(sorted(s["numbers"])), s["answer"])
     assert not {key(s) for s in train} & {key(s) for s in test}   # disjoint splits
     for s in train[:2000] + test:   # the expression that made each problem solves it
@@ -76,7 +95,13 @@ def test_countdown_from_a_file(tmp_path):
     write_jsonl(tmp_path / "countdown_test.jsonl", [{"numbers": [3, 5, 7], "target": 22}])
     (s,) = tasks.load_task("countdown", "test", data=str(tmp_path / "countdown_test.jsonl"), tokenizer=TOK)
     assert s["answer"] == 22 and "[3, 5, 7]" in s["prompt"] and "22" in s["prompt"]
+    assert s["prompt"].startswith("<|im_start|>system\n" + tasks.SYSTEM_PROMPT)
     assert rewards.countdown_reward("<answer>3 * 5 + 7</answer>", s) == 1.0
+    for bad in [{"numbers": [3, 5, 7]}, {"numbers": [3, 5, 7], "target": 22.0}, {"numbers": "3 5 7", "target": 22},
+                {"numbers": [3, "5", 7], "target": 22}, {"numbers": [], "target": 22}, [3, 5, 7]]:
+        write_jsonl(tmp_path / "countdown_train.jsonl", [{"numbers": [1, 2, 3], "target": 6}, bad])
+        with pytest.raises(ValueError, match=r"countdown_train.jsonl:2: a Countdown record needs"):
+            tasks.load_task("countdown", "train", data=str(tmp_path / "countdown_test.jsonl"), tokenizer=TOK)
 
 
 SAMPLE = {"numbers": [3, 5, 7], "answer": 22}
@@ -91,7 +116,7 @@ SAMPLE = {"numbers": [3, 5, 7], "answer": 22}
     ("3 * 5", 0.0),                           # a number missing
     ("(3 + 5 + 7) / (5 - 5)", 0.0),           # division by zero
     ("3 ** 5 + 7", 0.0), ("9 ** 9 ** 9", 0.0),   # no powers (and no huge numbers)
-    ("-3 + 5 * 7", 0.0),                      # no unary minus
+    ("-3 + 5 * 7", 0.0), ("-(-3 * 5) + 7", 0.0),   # no unary minus (the second is worth 22)
     ("3.0 * 5 + 7", 0.0),                     # integers only
     ("__import__('os').system('touch /tmp/pwned') or 22", 0.0),
     ("(lambda: 22)()", 0.0), ("[3, 5, 7][0]", 0.0), ("().__class__", 0.0), ("x", 0.0), ("'22'", 0.0),
@@ -103,13 +128,21 @@ def test_countdown_checker(answer, expected):
     assert not os.path.exists("/tmp/pwned")
 
 
+def test_countdown_checker_refuses_powers_even_when_right():
+    sample = {"numbers": [2, 3, 7], "answer": 15}
+    assert rewards.countdown_reward("<answer>2 ** 3 + 7</answer>", sample) == 0.0
+    assert rewards.countdown_reward("<answer>2 * 3 + 7 + 2</answer>", {**sample, "numbers": [2, 2, 3, 7]}) == 1.0
+
+
 def test_countdown_checker_never_raises():
     for completion, sample in [(None, SAMPLE), ("no answer", SAMPLE), ("<answer>1</answer>", None),
-                               ("<answer>1</answer>", {}), ("<answer>" + "1+" * 5000 + "1</answer>", SAMPLE)]:
+                               ("<answer>1</answer>", {}), ("<answer>" + "1+" * 5000 + "1</answer>", SAMPLE),
+                               ("<answer>3 * 5 + 7</answer>", {**SAMPLE, "numbers": None}),
+                               ("<answer>3 * 5 + 7</answer>", {**SAMPLE, "numbers": [3, "5", 7]})]:
         assert rewards.countdown_reward(completion, sample) == 0.0
 
 
 def test_long_prompts_are_skipped_and_counted_never_truncated():
-    samples = [{"prompt": "x" * n, "answer": "1"} for n in (3, 10, 4, 11)]   # one token per character
+    samples = [{"prompt": "x" * n, "answer": "1"} for n in (3, 10, 4, 5, 11)]   # one token per character
     kept, skipped = tasks.drop_long_prompts(samples, TOK, max_len=4)
-    assert [len(s["prompt"]) for s in kept] == [3, 4] and skipped == 2
+    assert kept == [samples[0], samples[2]] and skipped == 3   # untouched, not truncated
