@@ -44,8 +44,8 @@ from tqdm import tqdm
 
 import rewards
 from plumbing import (GenerationProcess, MetricsLog, broadcast_json, build_engine, check_config, check_reference,
-                      collate, hand_over, held_out_eval, load_checkpoint, load_data, save_checkpoint, stop_on_sigterm,
-                      write_eval)
+                      collate, hand_over, held_out_eval, load_checkpoint, load_data, load_model, read_state,
+                      save_checkpoint, stop_on_sigterm, write_eval)
 from ref_server import ref_logps, reload_reference
 from tasks import shuffled_forever
 from weight_sync import WeightSync
@@ -197,8 +197,7 @@ def generation_process(args, train_set, eval_set, sync, data_pos, messages):
     spec = rewards.parse_reward_spec(args.rewards)
     encode = lambda s: TokensPrompt(prompt_token_ids=tok(s["prompt"], add_special_tokens=False)["input_ids"])
     order = shuffled_forever(len(train_set), args.seed, skip=data_pos)   # resume: after the trained prompts
-    version, evaluated, parent, idle_s = -1, -1, os.getppid(), 0.0
-    P, G = args.prompts_per_step, args.group_size
+    version, evaluated, parent, idle_s, P, G = -1, -1, os.getppid(), 0.0, args.prompts_per_step, args.group_size
     while True:
         # the newest weights the trainer pushed (version 0: the ones it started with), checked on a probe
         if pulled := sync.pull(llm, version):
@@ -212,6 +211,9 @@ def generation_process(args, train_set, eval_set, sync, data_pos, messages):
                 evaluated = eval_version
                 if args.eval_only:
                     return
+        elif version < 0 and os.getppid() == parent:   # we start before the trainer's first push: wait for it
+            time.sleep(0.05)
+            continue
 
         t0, seqs, scores, completions, rounds, zero_std = time.time(), [], [], [], 0, 0
         while len(seqs) < P * G and rounds < args.max_gen_rounds:   # one round unless dynamic sampling (4)
@@ -258,26 +260,26 @@ def main(args):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    master_process = rank == 0
+    master_process = rank == 0   # the one process with side effects: vLLM, weight pushes, logs
     stop_on_sigterm()   # a kill ends the run like Ctrl-C: the generation process is stopped on the way out
     torch.set_num_threads(args.threads)   # the CPU is shared with vLLM and the reference server
     check_config(args, world)   # a bad configuration fails here with a message, not later in a child process
 
-    engine, tok, fingerprint = build_engine(args)   # model (+ --grad-ckpt), ZeRO-2 optimizer
-    state = {"step": 0, "version": 0, "data_pos": 0, "ref": None, "counts": {"skipped_steps": 0, "stale_dropped": 0}}
-    if args.resume:   # model, optimizer, the data position, the policy version, the counters
-        state.update(load_checkpoint(engine, args.out_dir) or {})
-    if args.beta > 0 and not args.eval_only:   # the reference server is up and serves our reference
-        check_reference(args, fingerprint, state["ref"])
-
+    model, tok, fingerprint = load_model(args)   # (+ --grad-ckpt)
+    state = read_state(args)   # --resume: the data position, policy version, counters (model and optimizer: below)
     train_set, eval_set, too_long = load_data(args, tok)   # prompts over --max-prompt-len are skipped
     probe_ids = tok(train_set[0]["prompt"] + str(train_set[0]["answer"]), add_special_tokens=False)["input_ids"][:64]
 
     version, counts, in_a_row, pending_eval, pushed_at_step = state["version"], state["counts"], 0, {}, {}
-    if master_process:
+    if master_process:   # vLLM starts (15 s on CPU) while DeepSpeed sets up; it waits for the first push
         os.makedirs(args.out_dir, exist_ok=True)
         metrics_log = None if args.eval_only else MetricsLog(args.out_dir, state["step"], args.tensorboard)
-        sync = WeightSync(engine.module.named_parameters(), probe_ids, first_version=version)
+        sync = WeightSync(model.named_parameters(), probe_ids, first_version=version)
+        gen = GenerationProcess(generation_process, args, train_set, eval_set, sync, state["data_pos"])
+    engine = build_engine(args, model)   # ZeRO-2 optimizer
+    load_checkpoint(engine, args.out_dir, state["step"])   # resumed (step > 0): the model and optimizer
+    if args.beta > 0 and not args.eval_only:   # the reference server is up and serves our reference
+        check_reference(args, fingerprint, state["ref"])
 
     def push_weights(step, evaluate):
         """Rank 0: hand the weights to the generation process, with our log-probs of the probe (choice 9)."""
@@ -290,7 +292,6 @@ def main(args):
 
     if master_process:   # the generation process loads the starting weights (and evaluates them) first
         version = push_weights(state["step"], evaluate=state["step"] == 0)
-        gen = GenerationProcess(generation_process, args, train_set, eval_set, sync, state["data_pos"])
         if args.eval_only:
             write_eval(args, gen.next_message(), len(eval_set))
     for step in tqdm(range(state["step"] + 1, 1 if args.eval_only else args.steps + 1), disable=not master_process,
@@ -329,8 +330,7 @@ def main(args):
         for it in range(args.num_iterations if n_micro else 0):   # n_micro == 0: no group had signal, no update
             for i in range(n_micro):
                 chunk = mine[i * args.micro_batch:(i + 1) * args.micro_batch]
-                # ZeRO-2 reduces gradients at every backward: a rank out of sequences runs a zero-weight pass
-                weight = 1.0 if chunk else 0.0
+                weight = 1.0 if chunk else 0.0   # ZeRO-2 reduces at every backward: no data, a zero-weight pass
                 b = collate(chunk or [{**seqs[0], "ref": seqs[0]["old"]}], tok.pad_token_id, engine.device,
                             mask_truncated=args.mask_truncated)
                 engine.set_gradient_accumulation_boundary(i == n_micro - 1)

@@ -48,18 +48,23 @@ def check_config(args, world):
         raise SystemExit("grpo_train.py: " + "; ".join(problems))
 
 
-def build_engine(args):
-    """-> (DeepSpeed engine, tokenizer, fingerprint of the starting weights: the reference)."""
+def load_model(args):
+    """-> (HF model, tokenizer, fingerprint of the starting weights: the reference)."""
     bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if bf16 else torch.float32)
-    fingerprint = model_fingerprint(model)
     if args.grad_ckpt:   # HF checkpoints layers in train mode only (Qwen and Llama have no dropout to turn on)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
+    return model, tok, model_fingerprint(model)
+
+
+def build_engine(args, model):
+    """-> the DeepSpeed ZeRO-2 engine around `model` (load_model's)."""
     with open(args.ds_config) as f:
         ds_config = json.load(f)
     # gradient_accumulation_steps stays 1: micro-batches per step vary, so the loop marks the boundary itself
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
     ds_config.update({"train_micro_batch_size_per_gpu": args.micro_batch, "bf16": {"enabled": bf16}})
     if "optimizer" in ds_config:   # e.g. ds_config_offload.json: DeepSpeed's CPU Adam, for optimizer offload
         ds_config["optimizer"].setdefault("params", {})["lr"] = args.lr
@@ -68,7 +73,7 @@ def build_engine(args):
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0,
                                       fused=torch.cuda.is_available())
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    return engine, tok, fingerprint
+    return engine
 
 
 def check_reference(args, fingerprint, refreshed):
@@ -243,7 +248,7 @@ def collate(seqs, pad_id, device="cpu", mask_truncated=False):
 
 def save_checkpoint(engine, tokenizer, out_dir, step, state, refresh=False):
     """All ranks -> the checkpoint's path. out_dir/step_K holds the HF model + tokenizer (for users, and for the
-    reference server) and DeepSpeed's files (each rank's ZeRO-2 optimizer shard; `state` rides along; with
+    reference server), DeepSpeed's files (each rank's ZeRO-2 optimizer shard) and `state` as grpo_state.json (with
     `refresh` it records that the reference server will serve this checkpoint). Atomic against a kill:
     everything is written to step_K.tmp, renamed when complete, and only then does the file `latest` (replaced
     by a rename) name it. Not against a power cut: nothing is fsync'ed."""
@@ -254,10 +259,12 @@ def save_checkpoint(engine, tokenizer, out_dir, step, state, refresh=False):
     if master and os.path.exists(tmp):   # left by a run killed while saving
         shutil.rmtree(tmp)
     dist.barrier()
-    engine.save_checkpoint(out_dir, tag=tag + ".tmp", client_state={"grpo": state}, save_latest=False)
+    engine.save_checkpoint(out_dir, tag=tag + ".tmp", save_latest=False)
     if master:
         engine.module.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "grpo_state.json"), "w") as f:
+            json.dump(state, f)
     dist.barrier()   # every rank's shard is written
     if master:
         if os.path.exists(final):   # saved before by a run that was then resumed from an earlier step
@@ -269,19 +276,29 @@ def save_checkpoint(engine, tokenizer, out_dir, step, state, refresh=False):
     return final
 
 
-def load_checkpoint(engine, out_dir):
-    """All ranks. Loads the model and optimizer of the checkpoint `latest` names -> its state, or None."""
-    latest, master = os.path.join(out_dir, "latest"), dist.get_rank() == 0
-    if not os.path.exists(latest):
-        if master:
-            print(f"--resume: no checkpoint in {out_dir}, starting from --model", flush=True)
-        return None
+def read_state(args):
+    """All ranks: the run's state, a fresh one or (--resume) the one saved with the checkpoint `latest` names.
+    Read before the engine is built: the generation process starts from it while DeepSpeed sets up."""
+    state = {"step": 0, "version": 0, "data_pos": 0, "ref": None, "counts": {"skipped_steps": 0, "stale_dropped": 0}}
+    latest, master = os.path.join(args.out_dir, "latest"), dist.get_rank() == 0
+    if args.resume and not os.path.exists(latest) and master:
+        print(f"--resume: no checkpoint in {args.out_dir}, starting from --model", flush=True)
+    if not (args.resume and os.path.exists(latest)):
+        return state
     with open(latest) as f:
-        tag = f.read().strip()
-    # DeepSpeed 0.19 restores the weights and this rank's optimizer shard; the rest is what we passed as state
-    path, client_state = engine.load_checkpoint(out_dir, tag=tag)
-    if path is None:
-        raise RuntimeError(f"{os.path.join(out_dir, tag)}: DeepSpeed could not load this checkpoint")
+        path = os.path.join(args.out_dir, f.read().strip())
+    with open(os.path.join(path, "grpo_state.json")) as f:
+        state.update(json.load(f))
     if master:
-        print(f"resuming after step {client_state['grpo']['step']} from {path}", flush=True)
-    return client_state["grpo"]
+        print(f"resuming after step {state['step']} from {path}", flush=True)
+    return state
+
+
+def load_checkpoint(engine, out_dir, step):
+    """All ranks: the model and this rank's optimizer shard (DeepSpeed 0.19) of checkpoint step_<step>; none at
+    step 0 (a fresh run)."""
+    if step == 0:
+        return
+    path, _ = engine.load_checkpoint(out_dir, tag=f"step_{step}")
+    if path is None:
+        raise RuntimeError(f"{os.path.join(out_dir, f'step_{step}')}: DeepSpeed could not load this checkpoint")

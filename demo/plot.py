@@ -17,28 +17,32 @@ def read_metrics(path):
 
 
 def plot_metrics(metrics_jsonl_path, out_png, title=None):
-    """reward/mean over "step" and eval/accuracy over "eval/step" (falling back to "step"), on one 0..1 axis.
-
-    Returns out_png.
-    """
+    """reward/mean per step and eval/accuracy per evaluation, over wall time (time/elapsed_s: seconds since the
+    trainer started; an evaluation is placed where its result was logged), on one 0..1 axis; the top axis
+    counts optimizer steps. Returns out_png."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(metrics_jsonl_path)
-    reward = sorted((r["step"], r["reward/mean"]) for r in rows if "step" in r and "reward/mean" in r)
-    acc = sorted((r.get("eval/step", r.get("step")), r["eval/accuracy"]) for r in rows if "eval/accuracy" in r)
+    rows = [r for r in read_metrics(metrics_jsonl_path) if "step" in r and "time/elapsed_s" in r]
+    reward = [(r["time/elapsed_s"], r["reward/mean"]) for r in rows if "reward/mean" in r]
+    acc = [(r["time/elapsed_s"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     if reward:
         ax.plot(*zip(*reward), color="tab:blue", alpha=0.6, lw=1.2, label="reward/mean (train prompts)")
     if acc:
         ax.plot(*zip(*acc), color="tab:red", marker="o", lw=2, label="eval/accuracy (held-out, greedy)")
-    ax.set_xlabel("optimizer step")
+    ax.set_xlabel("seconds since the trainer started (time/elapsed_s)")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    ax.set_title(title or "GRPO on the demo task")
+    if len(rows) > 1:   # optimizer steps on top, at the times they ended
+        top = ax.secondary_xaxis("top")
+        ticks = rows[::max(1, len(rows) // 6)]
+        top.set_xticks([r["time/elapsed_s"] for r in ticks], [str(r["step"]) for r in ticks])
+        top.set_xlabel("step")
+    ax.set_title(title or "GRPO on the demo task", fontsize=10)
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)

@@ -1,8 +1,8 @@
 """The offline demo: the whole architecture for real, on a tiny model, on a 2-core CPU with no internet.
 
 1. build a tiny Qwen2 model locally and warm-start it on the demo task (format right, answers mostly wrong),
-2. start ref_server.py on loopback, 3. run grpo_train.py through the deepspeed launcher (which spawns
-the vLLM generation process), 4. print held-out accuracy before -> after and plot the metrics.
+2. start ref_server.py on loopback and, at the same time, 3. run grpo_train.py through the deepspeed launcher
+(which spawns the vLLM generation process), 4. print held-out accuracy before -> after and plot the metrics.
 
     python -m demo.run_demo [--steps N] [--world-size 2] [-- extra grpo_train.py flags]
 """
@@ -57,31 +57,26 @@ def main(argv=None):
                        cwd=ROOT, env=env, check=True)
 
     # 2. the reference server, on loopback (one thread: the two cores belong to the trainer and vLLM), with a
-    # token only this run knows; it may reload checkpoints from the run's folder (--ref-sync-every)
-    from ref_server import RefServerError, wait_for_server
+    # token only this run knows; it may reload checkpoints from the run's folder (--ref-sync-every). 3. GRPO
+    # through the deepspeed launcher, started at the same time: the trainer waits for the server (--ref-wait),
+    # so their start-ups overlap. The launcher gets a process group of its own: deepspeed's runner does not
+    # pass signals on, so the group gets them.
     url, env["REF_SERVER_TOKEN"] = f"http://127.0.0.1:{free_port()}", secrets.token_hex(16)
     server = subprocess.Popen([sys.executable, "ref_server.py", "--model", model_dir, "--port", url.rsplit(":", 1)[1],
                                "--threads", "1", "--checkpoint-dir", out], cwd=ROOT, env=env)
     try:
-        deadline = time.time() + 300
-        while True:   # wait for it to answer, but not for a server that has died
-            if server.poll() is not None:
-                raise SystemExit(f"run_demo: ref_server.py exited with code {server.returncode} (its error is above)")
-            try:
-                wait_for_server(url, timeout=2)
-                break
-            except RefServerError:
-                if time.time() > deadline:
-                    raise
-        # 3. GRPO through the deepspeed launcher
         deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-        # a process group of its own: deepspeed's runner does not pass signals on, so the group gets them
         run = subprocess.Popen([deepspeed, "--num_gpus", str(a.world_size), "--master_port", str(free_port()),
                                 "grpo_train.py", "--model", model_dir, "--out-dir", out, "--ref-url", url,
                                 "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
                                 *TRAIN_FLAGS, *extra], cwd=ROOT, env=env, start_new_session=True)
         try:
-            if run.wait() != 0:
+            while run.poll() is None:   # a server that dies stops the run now, not after --ref-wait
+                if server.poll() is not None:
+                    raise SystemExit(f"run_demo: ref_server.py exited with code {server.returncode} (its error is "
+                                     f"above)")
+                time.sleep(0.5)
+            if run.returncode != 0:
                 raise SystemExit(f"run_demo: grpo_train.py failed (exit code {run.returncode})")
         finally:
             if run.poll() is None:

@@ -17,10 +17,12 @@ os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0
 import deepspeed, torch
 from safetensors.torch import save_file
 from grpo_train import get_args
-from plumbing import build_engine, load_checkpoint, save_checkpoint
+from plumbing import build_engine, load_checkpoint, load_model, read_state, save_checkpoint
 
 deepspeed.init_distributed()
-engine, tok, _ = build_engine(get_args(["--model", model, "--lr", "1e-2", "--micro-batch", "4"]))
+args = get_args(["--model", model, "--lr", "1e-2", "--micro-batch", "4", "--out-dir", out, "--resume"])
+model, tok, _ = load_model(args)
+engine = build_engine(args, model)
 
 def train_step(seed):   # any loss will do: the optimizer's state is what is tested
     ids = torch.randint(10, 60, (4, 12), generator=torch.Generator().manual_seed(seed))
@@ -34,8 +36,9 @@ if phase == "first":
     os.makedirs(os.path.join(out, "step_3.tmp"))   # what a save killed halfway leaves
     open(os.path.join(out, "step_3.tmp", "junk"), "w").write("x")
 elif phase == "resumed":
-    state = load_checkpoint(engine, out)
-    assert state == {"step": 2, "data_pos": 7}, state
+    state = read_state(args)   # read before the engine loads the checkpoint, as grpo_train.main does
+    load_checkpoint(engine, out, state["step"])
+    assert (state["step"], state["data_pos"], state["version"]) == (2, 7, 0), state   # saved, saved, default
 # phase "weights-only": started from the HF model inside the checkpoint, with a fresh optimizer
 train_step(2)
 if phase == "resumed":

@@ -207,10 +207,10 @@ def test_sigterm_to_the_deepspeed_launcher_stops_every_process(tmp_path, tiny_mo
     assert_all_gone(family)
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "ref server dies"])
 def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, how):
-    """SIGTERM to run_demo, or Ctrl-C (SIGINT to its process group): the reference server, the launcher, the
-    ranks and vLLM all end."""
+    """SIGTERM to run_demo, Ctrl-C (SIGINT to its process group), or the reference server killed: the reference
+    server, the launcher, the ranks and vLLM all end (the last within seconds, not after --ref-wait)."""
     log = open(tmp_path / "run.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "demo.run_demo", "--model", demo_model, "--out-dir", str(tmp_path),
                              "--steps", "100000"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -222,10 +222,14 @@ def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, 
     assert any("ref_server.py" in " ".join(p.cmdline()) for p in family) and len(family) >= 6
     if how == "SIGTERM":
         proc.send_signal(signal.SIGTERM)
-    else:
+    elif how == "Ctrl-C":
         os.killpg(proc.pid, signal.SIGINT)
+    else:
+        next(p for p in family if "ref_server.py" in " ".join(p.cmdline())).kill()
     assert_all_gone(family)
     assert proc.wait() != 0
+    if how == "ref server dies":
+        assert "run_demo: ref_server.py exited with code -9" in open(proc.log).read()
 
 
 def test_resume_after_sigkill_continues_the_run(tmp_path, demo_model):

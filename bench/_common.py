@@ -1,0 +1,78 @@
+"""Helpers shared by bench/generation.py, ref_overhead.py, weight_sync.py, overlap.py and gpu_bench.py."""
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+DEMO_MODEL = os.path.join(ROOT, "runs", "bench", "demo_model")
+# a bigger random model for "not all overhead" measurements: Qwen2 shape, 4 layers of width 1024, head size 64
+BIG = dict(hidden=1024, layers=4, heads=16)
+
+
+def demo_model(path=None):
+    """The demo's warm-started model (built once into runs/bench/demo_model, ~50 s), or `path` as given."""
+    if path:
+        return path
+    if not os.path.exists(os.path.join(DEMO_MODEL, "config.json")):
+        subprocess.run([sys.executable, "-m", "demo.tiny_model", "--out", DEMO_MODEL], cwd=ROOT, check=True)
+    return DEMO_MODEL
+
+
+def random_config(hidden, layers, heads, kv_heads=None, intermediate=None, vocab=None, max_len=4096):
+    """A Qwen2 config (tied embeddings); vocab defaults to the demo's character tokenizer's."""
+    from transformers import Qwen2Config
+    from demo.tiny_model import build_tokenizer
+    tok = build_tokenizer()
+    return Qwen2Config(vocab_size=vocab or len(tok), hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
+                       max_position_embeddings=max_len, tie_word_embeddings=True, bos_token_id=None,
+                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), tok
+
+
+def random_model(out, dtype="float32", seed=0, **shape):
+    """Save a randomly initialised Qwen2 model of `shape` (random_config's arguments) with the char tokenizer."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+    config, tok = random_config(**shape)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def n_params(model):
+    return sum(p.numel() for p in model.parameters())   # tied embeddings count once
+
+
+def timed(fn, reps):
+    """-> (median seconds over `reps` calls of fn(), the last result)."""
+    times, out = [], None
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def machine():
+    import torch
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def print_table(headers, rows):
+    """A markdown table (pasteable into bench/README.md)."""
+    cells = [[str(h) for h in headers]] + [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+    print(line(cells[0]))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in cells[1:]:
+        print(line(r))
