@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-from _common import demo_model, machine, n_params, print_table, random_model, random_config, timed
+from _common import demo_model, machine, n_params, print_table, random_config, timed
 
 QWEN05 = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936)   # Qwen2.5-0.5B's shape
 
