@@ -6,6 +6,7 @@
     python bench/generation.py --model PATH     # any local HF model
 
 Settings on both sides: temperature 1, no top-k/top-p, n completions per prompt, --max-new-tokens, stop at EOS.
+A third row: vLLM as grpo_train.py calls it, also returning each sampled token's log-prob (logprobs=0).
 Generated tokens are counted the same way on both sides: up to and including the first EOS, else the limit.
 Each side gets one warm-up call (2 new tokens), then the median of --reps calls is timed. Threads: OMP_NUM_THREADS and
 torch.set_num_threads(--threads) before either side runs; vLLM runs in this process
@@ -48,6 +49,8 @@ def vllm_side(path, prompts, a):
     tok = llm.get_tokenizer()
     ids = [{"prompt_token_ids": tok(p, add_special_tokens=False)["input_ids"]} for p in prompts]
     params = SamplingParams(n=a.n, temperature=a.temperature, max_tokens=a.max_new_tokens)
+    # what grpo_train.py asks for: also the log-prob of each sampled token (the PPO ratio's "old" side)
+    with_logps = SamplingParams(n=a.n, temperature=a.temperature, max_tokens=a.max_new_tokens, logprobs=0)
 
     def run(params=params):   # token_ids include the EOS that stopped a completion (checked below)
         outs = llm.generate(ids, params, use_tqdm=False)
@@ -56,7 +59,8 @@ def vllm_side(path, prompts, a):
     t, (n_tok, outs) = timed(run, a.reps)
     ends = [c.token_ids[-1] for o in outs for c in o.outputs if c.finish_reason == "stop"]
     assert all(e == tok.eos_token_id for e in ends), "vLLM's token_ids should end with the EOS"
-    return t, n_tok, torch.get_num_threads()
+    t_lp, (n_tok_lp, _) = timed(lambda: run(with_logps), a.reps)
+    return t, n_tok, t_lp, n_tok_lp, torch.get_num_threads()
 
 
 def main():
@@ -79,12 +83,14 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         path = random_model(tmp, **BIG) if a.size == "big" and not a.model else demo_model(a.model)
         hf_t, hf_tok = hf_side(path, prompts, a)
-        v_t, v_tok, v_threads = vllm_side(path, prompts, a)
+        v_t, v_tok, lp_t, lp_tok, v_threads = vllm_side(path, prompts, a)
     print(f"\n{machine()}; threads {a.threads} (vLLM saw {v_threads}); model {a.model or a.size}; {a.prompts} prompts "
           f"x {a.n} completions, max {a.max_new_tokens} new tokens, temperature {a.temperature}, median of {a.reps}")
     print_table(["engine", "tokens/call", "s/call", "tokens/s", "vs transformers"],
                 [["transformers generate", hf_tok, hf_t, hf_tok / hf_t, 1.0],
-                 ["vLLM (CPU build)", v_tok, v_t, v_tok / v_t, (v_tok / v_t) / (hf_tok / hf_t)]])
+                 ["vLLM (CPU build)", v_tok, v_t, v_tok / v_t, (v_tok / v_t) / (hf_tok / hf_t)],
+                 ["vLLM, logprobs=0 (as grpo_train.py)", lp_tok, lp_t, lp_tok / lp_t,
+                  (lp_tok / lp_t) / (hf_tok / hf_t)]])
 
 
 if __name__ == "__main__":

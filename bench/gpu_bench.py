@@ -8,8 +8,9 @@ through DeepSpeed ZeRO-2 built by plumbing.build_engine, world size 1), with eac
 
 The models are randomly initialised from hardcoded Qwen2.5 configs (no download; Qwen2.5's vocabulary of 151,936,
 the demo's character tokenizer), saved to a temporary folder. Each phase (generate, train) runs in a subprocess of
-its own, one after the other (--tiny: both at once, a smoke run), so its peak memory is its own: torch.cuda.max_memory_allocated on GPU (vLLM's KV cache included: it
-takes --gen-mem of the GPU), the process's ru_maxrss on CPU. Generation ignores EOS (a random model), so every
+its own, one after the other (--tiny: both at once, a smoke run), so its peak memory is its own:
+torch.cuda.max_memory_allocated on GPU (vLLM's KV cache included: it takes --gen-mem of the GPU), the process's
+ru_maxrss on CPU. Generation ignores EOS (a random model), so every
 completion is --new-tokens long. MFU = 6 x parameters x training tokens per second / peak FLOP/s (--peak-tflops,
 default 989 = H100 SXM dense bf16; n/a on CPU unless given); attention FLOPs and recomputation are not counted.
 """
@@ -17,7 +18,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,10 +58,8 @@ def generate(a, path):
 
 
 def train(a, path):
-    with socket.socket() as s:   # a single-process "launch" of world size 1
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from demo.run_demo import free_port   # a single-process "launch" of world size 1
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     import deepspeed
     import torch
     from grpo_train import completion_logps, grpo_loss

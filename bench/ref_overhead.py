@@ -13,18 +13,12 @@ cost of a request). Both answers are checked to be equal.
 import argparse
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
 
 from _common import BIG, ROOT, demo_model, machine, print_table, random_model, timed
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from demo.run_demo import free_port
 
 
 def start_server(path, a, log):

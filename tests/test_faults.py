@@ -212,9 +212,10 @@ def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, 
     """SIGTERM to run_demo, Ctrl-C (SIGINT to its process group), or the reference server killed: the reference
     server, the launcher, the ranks and vLLM all end (the last within seconds, not after --ref-wait)."""
     log = open(tmp_path / "run.log", "w")
+    # SIGINT as a terminal delivers it: a test run started in the background by a shell inherits it ignored
     proc = subprocess.Popen([sys.executable, "-m", "demo.run_demo", "--model", demo_model, "--out-dir", str(tmp_path),
                              "--steps", "100000"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     proc.log = log.name
     RUNS.append(proc)
     wait_for_step(proc, tmp_path, 1)
