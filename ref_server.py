@@ -248,7 +248,7 @@ def load_model(path, device="cpu", dtype="auto"):
     from transformers import AutoModelForCausalLM  # here, so importing this module stays light
     if dtype == "auto":
         dtype = "float32" if device == "cpu" else "bfloat16"
-    # safetensors only: a checkpoint is never unpickled (a hub model without safetensors files is refused)
+    # safetensors only: never a checkpoint format that runs code on load (hub models without safetensors: refused)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
     model = model.to(device).eval()
     model.requires_grad_(False)
