@@ -281,9 +281,11 @@ def read_state(args):
     Read before the engine is built: the generation process starts from it while DeepSpeed sets up."""
     state = {"step": 0, "version": 0, "data_pos": 0, "ref": None, "counts": {"skipped_steps": 0, "stale_dropped": 0}}
     latest, master = os.path.join(args.out_dir, "latest"), dist.get_rank() == 0
-    if args.resume and not os.path.exists(latest) and master:
-        print(f"--resume: no checkpoint in {args.out_dir}, starting from --model", flush=True)
-    if not (args.resume and os.path.exists(latest)):
+    if not args.resume:
+        return state
+    if not os.path.exists(latest):
+        if master:
+            print(f"--resume: no checkpoint in {args.out_dir}, starting from --model", flush=True)
         return state
     with open(latest) as f:
         path = os.path.join(args.out_dir, f.read().strip())

@@ -27,11 +27,9 @@ def run_demo(a):
            "--steps", str(a.steps), "--eval-every", str(a.eval_every)]
     if os.path.exists(os.path.join(out, "metrics.jsonl")):
         os.remove(os.path.join(out, "metrics.jsonl"))   # a fresh run, not a continuation
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                                os.path.join(sys.prefix, "torch_extensions"))}
     with open(os.path.join(ROOT, "runs", "bench", "overlap.log"), "w") as log:
         print(f"running {' '.join(cmd)} (log: runs/bench/overlap.log)", flush=True)
-        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+        subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
     return os.path.join(out, "metrics.jsonl")
 
 

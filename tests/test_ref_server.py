@@ -3,7 +3,6 @@ import copy
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from safetensors.torch import save as st_save
 
+from demo.run_demo import free_port
 from grpo_train import completion_logps
 from plumbing import pad_batch
 from ref_server import (RefServerError, WireError, decode_request, decode_response, encode_request,
@@ -122,12 +122,6 @@ def test_decode_request_rejects(name, data, status, msg):
 
 
 # ----------------------------------------------------------------------------- the real server
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def env_without_token():
     return {k: v for k, v in os.environ.items() if k != "REF_SERVER_TOKEN"}
