@@ -1,4 +1,4 @@
-"""Resumable checkpoints (plumbing.save_checkpoint / load_checkpoint) with the real DeepSpeed ZeRO-2 engine, one
+"""Resumable checkpoints (checkpoints.save_checkpoint / load_checkpoint) with the real DeepSpeed ZeRO-2 engine, one
 gloo rank in a child process: a resumed run takes exactly the step the uninterrupted run took, because the
 optimizer state came back too; a save killed halfway never becomes `latest`."""
 import os
@@ -16,13 +16,12 @@ model, out, phase, port = sys.argv[1:]
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 import deepspeed, torch
 from safetensors.torch import save_file
-from grpo_train import get_args
-from plumbing import build_engine, load_checkpoint, load_model, read_state, save_checkpoint
+from checkpoints import load_checkpoint, read_state, save_checkpoint
+from run_setup import build_engine, load_policy
 
 deepspeed.init_distributed()
-args = get_args(["--model", model, "--lr", "1e-2", "--micro-batch", "4", "--out-dir", out, "--resume"])
-model, tok, _ = load_model(args)
-engine = build_engine(args, model)
+model, tok = load_policy(model, grad_ckpt=False)
+engine = build_engine(model, "ds_config.json", lr=1e-2, micro_batch=4)
 
 def train_step(seed):   # any loss will do: the optimizer's state is what is tested
     ids = torch.randint(10, 60, (4, 12), generator=torch.Generator().manual_seed(seed))
@@ -32,17 +31,17 @@ def train_step(seed):   # any loss will do: the optimizer's state is what is tes
 if phase == "first":
     train_step(0)
     train_step(1)
-    save_checkpoint(engine, tok, out, 2, {"step": 2, "data_pos": 7})
+    save_checkpoint(engine, tok, out, {"step": 2, "data_pos": 7, "ref": None}, keep=0)
     os.makedirs(os.path.join(out, "step_3.tmp"))   # what a save killed halfway leaves
     open(os.path.join(out, "step_3.tmp", "junk"), "w").write("x")
 elif phase == "resumed":
-    state = read_state(args)   # read before the engine loads the checkpoint, as grpo_train.main does
+    state = read_state(out, resume=True, master=True)   # before the engine loads it, as grpo_train.main does
     load_checkpoint(engine, out, state["step"])
-    assert (state["step"], state["data_pos"], state["version"]) == (2, 7, 0), state   # saved, saved, default
+    assert (state["step"], state["data_pos"], state["counts"]["stale_dropped"]) == (2, 7, 0), state
 # phase "weights-only": started from the HF model inside the checkpoint, with a fresh optimizer
 train_step(2)
 if phase == "resumed":
-    save_checkpoint(engine, tok, out, 3, {"step": 3})
+    save_checkpoint(engine, tok, out, {"step": 3, "ref": None}, keep=0)
 save_file({k: v.clone() for k, v in engine.module.state_dict().items()}, os.path.join(out, phase + ".safetensors"))
 """
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -13,7 +14,8 @@ REQUIRED = ["step", "reward/mean", "reward/demo", "reward/overlong", "reward/err
             "clip/high", "completion_len/mean", "completion_len/truncated", "frac_zero_std", "gen/rounds",
             "batch/groups", "data/prompts_seen", "data/too_long", "grad_norm", "skipped_steps", "stale_dropped",
             "policy_lag", "sync/logp_diff", "time/gen_s", "time/gen_idle_s", "time/wait_s", "time/ref_s",
-            "time/train_s", "time/sync_s", "time/elapsed_s"]
+            "time/train_s", "time/sync_s", "time/elapsed_s", "ratio/mean", "ratio/max",
+            "sampling/logp_diff_mean", "sampling/logp_diff_max"]
 
 
 def run_demo(out_dir, *args, timeout=600):
@@ -26,42 +28,61 @@ def run_demo(out_dir, *args, timeout=600):
 
 
 def test_short_run_finishes_logs_checkpoints_and_learns(tmp_path, demo_model):
-    """20 steps on 2 training ranks (world size 1 runs in the parity, variant and fault tests)."""
+    """20 steps on 2 training ranks (world size 1 runs in the parity, variant and fault tests). No
+    generated batch is thrown away, every batch is one optimizer step behind (but the first), only the
+    newest --keep-checkpoints survive, and vLLM's process saw exactly --gen-device (3: no GPU here, so
+    the CPU build ignores it)."""
     steps = 20
     stdout, rows = run_demo(tmp_path, "--model", demo_model, "--steps", str(steps), "--eval-every", "10",
-                            "--world-size", "2")
+                            "--world-size", "2", "--", "--save-every", "5", "--keep-checkpoints", "2",
+                            "--gen-device", "3")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))   # one line per optimizer step
     for r in rows:
         assert all(k in r for k in REQUIRED), sorted(set(REQUIRED) - set(r))
         assert r["sync/logp_diff"] < 1e-3   # every push landed in vLLM
-        assert 0 <= r["policy_lag"] <= 1
+        assert r["stale_dropped"] == 0 and r["data/prompts_seen"] == 16 * r["step"]
+        assert r["policy_lag"] == (0 if r["step"] == 1 else 1)
         if r["policy_lag"] == 0:   # sampled by these very weights: the ratio is 1, nothing clips
-            assert r["clip/low"] == r["clip/high"] == 0
+            assert r["clip/low"] == r["clip/high"] == 0 and r["ratio/max"] == pytest.approx(1, abs=1e-4)
         assert r["skipped_steps"] == 0 and r["data/too_long"] == 0 and r["batch/groups"] <= 16
     evals = [(r["eval/step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     assert evals[0][0] == 0 and evals[-1][0] == steps
     reward = [r["reward/mean"] for r in rows]
     assert sum(reward[-10:]) / 10 > sum(reward[:10]) / 10 + 0.05, reward   # the reward goes up
     assert "held-out accuracy:" in stdout.splitlines()[-1]
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_15", "step_20"]
+    assert "generation process: CUDA_VISIBLE_DEVICES=3" in stdout
     ckpt = tmp_path / f"step_{steps}"
     assert (ckpt / "config.json").exists() and (ckpt / "model.safetensors").exists()
     assert (ckpt / "tokenizer.json").exists()
     assert (tmp_path / "metrics.png").stat().st_size > 1000
 
 
-def train_one_step(out_dir, model, world_size, micro_batch, *extra):
-    """One GRPO step with --beta 0 (no reference server needed) straight through the deepspeed launcher."""
-    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [deepspeed, "--num_gpus", str(world_size), "--master_port", str(29600 + world_size), "grpo_train.py",
-           "--model", model, "--out-dir", str(out_dir), "--steps", "1", "--beta", "0", "--lr", "1e-3",
-           "--prompts-per-step", "8", "--group-size", "4", "--max-new-tokens", "12", "--max-prompt-len", "16",
-           "--micro-batch", str(micro_batch), "--eval-size", "20", "--ref-url", "http://127.0.0.1:9", *extra]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+
+
+def one_step_flags(out_dir, model, micro_batch):
+    """One GRPO step with --beta 0 (no reference server needed)."""
+    return ["grpo_train.py", "--model", model, "--out-dir", str(out_dir), "--steps", "1", "--beta", "0",
+            "--lr", "1e-3", "--prompts-per-step", "8", "--group-size", "4", "--max-new-tokens", "12",
+            "--max-prompt-len", "16", "--micro-batch", str(micro_batch), "--eval-size", "20",
+            "--ref-url", "http://127.0.0.1:9"]
+
+
+def step_result(out_dir):
     from safetensors.torch import load_file
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         (row,) = map(json.loads, f)
     return row, load_file(os.path.join(out_dir, "step_1", "model.safetensors"))
+
+
+def train_one_step(out_dir, model, world_size, micro_batch, *extra):
+    """One step straight through the deepspeed launcher, world_size ranks on one node."""
+    cmd = [DEEPSPEED, "--num_gpus", str(world_size), "--master_port", str(29600 + world_size),
+           *one_step_flags(out_dir, model, micro_batch), *extra]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return step_result(out_dir)
 
 
 def test_update_does_not_depend_on_world_size_or_micro_batches(tmp_path, demo_model):
@@ -81,6 +102,33 @@ def test_update_does_not_depend_on_world_size_or_micro_batches(tmp_path, demo_mo
     for k in start:
         # elements with a near-zero gradient feel Adam's eps: a tolerance of 1% of the step, not 0.1%
         assert (one[k] - two[k]).abs().max().item() < 1e-2 * moved, k
+
+
+def test_two_nodes_take_the_same_step_as_one_node_with_two_ranks(tmp_path, demo_model):
+    """More than one node, as the README launches it: a hostfile, one deepspeed launcher per node with
+    --no_ssh and its --node_rank, the master's address. Here both "nodes" are this machine (loopback), one
+    rank each; the step must equal the one-node, two-rank step (test above: that equals one rank's)."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    out = tmp_path / "nodes"
+    nodes = [subprocess.Popen([DEEPSPEED, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank),
+                               "--master_addr", "127.0.0.1", "--master_port", "29611",
+                               *one_step_flags(out, demo_model, 3)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for rank in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    assert [p.returncode for p in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    two_nodes, weights = step_result(out)
+    one_node, reference = train_one_step(tmp_path / "one", demo_model, 2, 3)
+    assert two_nodes["reward/mean"] == one_node["reward/mean"]   # the same batch
+    assert two_nodes["loss"] == pytest.approx(one_node["loss"], rel=1e-5, abs=1e-7)
+    assert two_nodes["grad_norm"] == pytest.approx(one_node["grad_norm"], rel=1e-5)
+    for k in reference:
+        assert torch.allclose(weights[k], reference[k], rtol=1e-5, atol=1e-7), k
 
 
 @pytest.mark.skipif(not os.environ.get("GRPO_TEST_OFFLOAD"),
@@ -130,8 +178,10 @@ def test_variants_ppo_epochs_tis_overlong_truncation_dynamic_sampling(tmp_path, 
                        "--max-gen-rounds", "4", "--scale-rewards", "none", "--std-floor", "0.3")
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert sum(r["clip/low"] + r["clip/high"] for r in rows) > 0   # the second epoch clipped something
-    assert rows[0]["policy_lag"] == 0 and rows[0]["sampling/logp_diff_max"] < 1e-3
-    assert max(r["sampling/logp_diff_mean"] for r in rows if r["policy_lag"] == 1) > 1e-3
+    # policy_lag counts optimizer steps: a batch sampled one push before is 2 of them behind
+    assert [r["policy_lag"] for r in rows] == [0] + [2] * 5
+    assert rows[0]["sampling/logp_diff_max"] < 1e-3
+    assert min(r["sampling/logp_diff_mean"] for r in rows[1:]) > 1e-3
     for r in rows:
         # max 5, buffer 3: penalty (2 - n) / 3 for n in 2..5, so the mean follows the mean length
         assert r["reward/overlong"] == pytest.approx((2 - r["completion_len/mean"]) / 3, abs=1e-9)

@@ -82,35 +82,39 @@ def test_killed_generation_process_stops_the_run_quickly_with_no_orphans(tmp_pat
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))   # what was logged is intact
 
 
-def _hold_lock_forever(lock):
-    lock.acquire()
-    time.sleep(600)
-
-
-def test_weight_push_does_not_hang_on_a_lock_held_by_a_dead_generation_process():
-    """A generation process killed while loading weights never releases the sync lock: the push must notice."""
+def _receive_one_tensor_then_die(port):
     import torch
+    import torch.distributed as dist
+    from generation import weight_group
+    group = weight_group(dist.TCPStore("127.0.0.1", port, is_master=False), 1, torch.device("cpu"))
+    group.broadcast(torch.empty(4), 0).wait()
+    os._exit(3)
+
+
+def test_weight_push_notices_a_generation_process_that_dies_mid_push():
+    """The generation process dies after the first of a push's tensors: the push raises, it never hangs."""
+    import datetime
+    import torch
+    import torch.distributed as dist
     import torch.multiprocessing as mp
-    from weight_sync import WeightSync
-    layer = torch.nn.Linear(2, 2)
-    sync = WeightSync(layer.named_parameters(), [1, 2, 3])
-    holder = mp.get_context("spawn").Process(target=_hold_lock_forever, args=(sync.lock,), daemon=True)
-    holder.start()
-    deadline = time.time() + 60
-    while sync.lock.acquire(timeout=0.1):   # until the holder has taken it
-        sync.lock.release()
-        time.sleep(0.1)
-        assert time.time() < deadline
-    holder.kill()
-    holder.join()
+    from generation import send_weights, weight_group
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    child = mp.get_context("spawn").Process(target=_receive_one_tensor_then_die, args=(store.port,), daemon=True)
+    child.start()
+    group = weight_group(store, 0, torch.device("cpu"))
+    checks = []
 
     def check_alive():
-        if not holder.is_alive():
-            raise RuntimeError("generation process died")
-    t0 = time.time()
-    with pytest.raises(RuntimeError, match="died"):
-        sync.push(layer.named_parameters(), torch.zeros(2), evaluate=False, while_waiting=check_alive)
-    assert time.time() - t0 < 5
+        checks.append(child.exitcode)
+        if not child.is_alive():
+            raise RuntimeError(f"the generation process died (exit code {child.exitcode})")
+    with pytest.raises(RuntimeError) as e:
+        send_weights(group, [torch.ones(4)] + [torch.ones(1_000_000) for _ in range(4)], check_alive)
+    child.join(timeout=30)
+    assert child.exitcode == 3
+    # whether gloo noticed the closed connection first or the liveness check did, the push stopped
+    assert "died (exit code 3)" in str(e.value) or "onnection" in str(e.value), str(e.value)
 
 
 def rows_of(out_dir):
@@ -172,7 +176,7 @@ def test_non_finite_gradients_are_skipped_then_the_run_stops(tmp_path, demo_mode
     """A learning rate of 1e30 makes the weights overflow after the first step: every later gradient norm is
     NaN. Those steps are skipped (DeepSpeed leaves the weights alone) and counted; 3 in a row stop the run."""
     proc = launch(tmp_path, demo_model, "--beta", "0", "--steps", "20", "--lr", "1e30", "--max-skips", "3",
-                  "--sync-every", "1000", "--max-staleness", "1000", port=29712)
+                  "--sync-every", "1000", port=29712)
     rc, out = finish(proc)
     assert rc != 0 and "stopping at step 4: the gradient norm was not finite 3 times in a row" in out, out[-3000:]
     rows = rows_of(tmp_path)
@@ -255,19 +259,19 @@ def test_resume_after_sigkill_continues_the_run(tmp_path, demo_model):
 
 def test_check_config_names_every_bad_flag():
     from grpo_train import get_args
-    from plumbing import check_config
+    from run_setup import check_config
     ok = get_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])   # a hub id is not checked for a local folder
-    check_config(ok, world=2)
+    check_config(2, **vars(ok))
     bad = get_args(["--model", "./no/such/folder", "--group-size", "1", "--prompts-per-step", "0",
                     "--rewards", "gsm8k,nope", "--temperature", "0", "--overlong-buffer", "600",
-                    "--ref-sync-every", "2", "--beta", "0"])
+                    "--ref-sync-every", "2", "--beta", "0", "--max-staleness", "-1"])
     with pytest.raises(SystemExit) as e:
-        check_config(bad, world=2)
+        check_config(2, **vars(bad))
     for flag in ("--group-size", "--prompts-per-step", "--rewards", "--temperature", "--overlong-buffer",
-                 "--ref-sync-every", "--model ./no/such/folder: no such folder"):
+                 "--ref-sync-every", "--max-staleness", "--model ./no/such/folder: no such folder"):
         assert flag in str(e.value), flag
     with pytest.raises(SystemExit, match="must be >= the number of training ranks"):
-        check_config(get_args(["--model", "m/m", "--prompts-per-step", "1", "--group-size", "2"]), world=4)
+        check_config(4, **vars(get_args(["--model", "m/m", "--prompts-per-step", "1", "--group-size", "2"])))
 
 
 def test_reference_server_with_another_model_is_refused(tmp_path, tiny_model, demo_model):
@@ -280,11 +284,12 @@ def test_reference_server_with_another_model_is_refused(tmp_path, tiny_model, de
 
 def test_long_prompts_are_skipped_and_a_task_with_none_left_is_refused():
     from demo.tiny_model import build_tokenizer
-    from grpo_train import get_args
-    from plumbing import load_data
+    from run_setup import load_prompts
     tok = build_tokenizer()
+    kw = dict(data=None, seed=0, eval_size=200, prompt_key="prompt", answer_key="answer")
     # the demo's prompts ("37+5=") are 5 tokens: a limit of 5 keeps all 360, a limit of 4 skips every one
-    train, held_out, too_long = load_data(get_args(["--model", "m/m", "--max-prompt-len", "5"]), tok)
+    train, held_out, too_long = load_prompts("demo", tok, max_prompt_len=5, **kw)
     assert (len(train), len(held_out), too_long) == (360, 90, 0)
+    assert train[0]["prompt_ids"] == tok(train[0]["prompt"], add_special_tokens=False)["input_ids"]
     with pytest.raises(SystemExit, match="every prompt of --task demo is longer than --max-prompt-len"):
-        load_data(get_args(["--model", "m/m", "--max-prompt-len", "4"]), tok)
+        load_prompts("demo", tok, max_prompt_len=4, **kw)

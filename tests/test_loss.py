@@ -6,8 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_train import advantages, completion_logps, grpo_loss
-from plumbing import collate, pad_batch
+from grpo_train import advantages, collate, completion_logps, grpo_loss, normaliser, pad_batch
 from rewards import overlong_penalty
 
 AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
@@ -116,12 +115,12 @@ def test_ratio_one_gives_policy_gradient_and_clip_stops_it():
 
 
 def test_group_advantages():
-    adv, signal = advantages([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5], G=4)
+    adv, signal = advantages([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5], group_size=4)
     r = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
     assert adv[0].tolist() == pytest.approx(((r - 0.5) / (r.std() + 1e-4)).tolist())
     assert adv[0].sum().item() == pytest.approx(0.0, abs=1e-12)
     assert signal.tolist() == [True, False]   # equal rewards: no signal, the group is dropped
-    adv, _ = advantages([0.0, 0.0, 1.0], G=3)
+    adv, _ = advantages([0.0, 0.0, 1.0], group_size=3)
     assert adv[0, 2] > 0 > adv[0, 0]
 
 
@@ -129,17 +128,17 @@ def test_reward_scaling_by_hand():
     """--scale-rewards group | batch | none and --std-floor, on numbers worked out by hand."""
     rewards = [0.0, 2.0, 0.0, 0.2]   # groups of 2: means 1 and 0.1, unbiased stds sqrt(2) and sqrt(0.02)
     s1, s2 = math.sqrt(2), math.sqrt(0.02)
-    adv, _ = advantages(rewards, G=2, scale="group")
+    adv, _ = advantages(rewards, group_size=2, scale="group")
     assert adv.flatten().tolist() == pytest.approx([-1 / (s1 + 1e-4), 1 / (s1 + 1e-4), -0.1 / (s2 + 1e-4),
                                                      0.1 / (s2 + 1e-4)])
     sb = torch.tensor(rewards, dtype=torch.float64).std().item()   # the batch's std: sqrt(2.83 / 3)
-    adv, _ = advantages(rewards, G=2, scale="batch")
+    adv, _ = advantages(rewards, group_size=2, scale="batch")
     assert sb == pytest.approx(math.sqrt(2.83 / 3), abs=1e-12)
     assert adv.flatten().tolist() == pytest.approx([-1 / (sb + 1e-4), 1 / (sb + 1e-4), -0.1 / (sb + 1e-4),
                                                      0.1 / (sb + 1e-4)])
-    adv, _ = advantages(rewards, G=2, scale="none")   # Dr. GRPO: the mean is subtracted, nothing divided
+    adv, _ = advantages(rewards, group_size=2, scale="none")   # Dr. GRPO: the mean is subtracted, nothing divided
     assert adv.flatten().tolist() == pytest.approx([-1.0, 1.0, -0.1, 0.1])
-    adv, _ = advantages(rewards, G=2, scale="group", std_floor=0.5)   # second group's std 0.141 < 0.5: r - mean
+    adv, _ = advantages(rewards, group_size=2, scale="group", std_floor=0.5)   # second group's std 0.141 < 0.5: r - mean
     assert adv.flatten().tolist() == pytest.approx([-1 / (s1 + 1e-4), 1 / (s1 + 1e-4), -0.1, 0.1])
 
 
@@ -161,8 +160,6 @@ def test_truncated_importance_sampling_weights_each_token_by_the_capped_ratio():
     assert loss.item() == pytest.approx(-(1 + 1.5 + 2.0) / 3)   # weights 1, 1.5 and 4 capped at 2
     loss.backward()
     assert logps.grad[0].tolist() == pytest.approx([-1 / 3, -1.5 / 3, -2 / 3])
-    assert st["mismatch_sum"].item() == pytest.approx(math.log(1.5) + math.log(4))
-    assert st["mismatch_max"].item() == pytest.approx(math.log(4))
     loss_off, _, _ = grpo_loss(logps, logps.detach(), None, adv, mask, beta=0, eps_low=0.2, eps_high=0.2,
                                agg="token-mean", max_len=3, vllm_logps=vllm)   # no cap: no weights
     assert loss_off.item() == pytest.approx(-1.0)
@@ -223,3 +220,54 @@ def test_importing_grpo_train_parses_nothing_and_starts_nothing():
     p = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("agg", AGGS)
+def test_a_padded_column_of_any_value_changes_nothing(agg, dtype):
+    """Padding holds whatever the model says there; a log-prob of -120 (a confident model at a low
+    temperature) used to make exp(ref - logp) overflow, and inf * 0 made the loss and gradient NaN."""
+    logps, old, ref, adv, mask, _ = random_batch()
+    kw = dict(beta=0.1, eps_low=0.2, eps_high=0.2, agg=agg, max_len=10)
+    grads = []
+    for extra in (None, -120.0):
+        x, o, r, m = logps.to(dtype), old.to(dtype), ref.to(dtype), mask
+        if extra is not None:   # one more column, padding in every row: logp -120, old and ref padded with 0
+            col = torch.full((len(x), 1), extra, dtype=dtype)
+            x, o, r = torch.cat([x, col], 1), torch.cat([o, 0 * col], 1), torch.cat([r, 0 * col], 1)
+            m = torch.cat([m, torch.zeros(len(m), 1, dtype=m.dtype)], 1)
+        x = x.clone().requires_grad_(True)
+        loss, _, stats = grpo_loss(x, o, r, adv.to(dtype), m, vllm_logps=o, tis_cap=2.0, **kw)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(x.grad).all() and torch.isfinite(stats["ratio_max"])
+        grads.append((loss.item(), x.grad[:, :logps.shape[1]]))
+    (loss0, grad0), (loss1, grad1) = grads
+    # equal up to float rounding: a wider tensor sums in another order
+    assert loss1 == pytest.approx(loss0, rel=1e-6) and torch.allclose(grad1, grad0, rtol=1e-5, atol=1e-9)
+
+
+def test_the_normaliser_counts_what_was_sampled_and_the_tokens_in_the_loss():
+    """Choice 2 and --agg token-mean with --mask-truncated, by hand. Kept: completions of 3 and 5 tokens,
+    the 5 cut off; no-signal (dropped) ones that fill the batch: 4 tokens, and 6 cut off."""
+    seqs = [{"completion": [1] * 3, "truncated": False}, {"completion": [1] * 5, "truncated": True}]
+    fill = [(4, False), (6, True)]
+    assert normaliser(seqs, fill, "seq-mean-token-mean", False) == 4   # --loss-norm sampled: P * G
+    assert normaliser(seqs, [], "seq-mean-token-sum-norm", False) == 2   # --loss-norm kept
+    assert normaliser(seqs, fill, "token-mean", False) == 3 + 5 + 4 + 6
+    assert normaliser(seqs, fill, "token-mean", True) == 3 + 4   # only the tokens the mask keeps
+    assert normaliser(seqs, [], "token-mean", True) == 3
+
+
+def test_token_mean_with_mask_truncated_divides_by_the_tokens_in_the_loss():
+    """Two micro-batches with the trainer's weighting (loss * count / normaliser) give exactly the
+    token-mean over the tokens the mask keeps, as DAPO and verl compute it."""
+    logps, old, ref, adv, mask, lens = random_batch(B=4, seed=3)
+    truncated = torch.tensor([False, True, False, False])
+    seqs = [{"completion": [0] * n, "truncated": bool(t)} for n, t in zip(lens, truncated)]
+    kept = mask * ~truncated[:, None]
+    kw = dict(beta=0.1, eps_low=0.2, eps_high=0.2, agg="token-mean", max_len=7)
+    total = normaliser(seqs, [], "token-mean", mask_truncated=True)
+    parts = sum(loss * count / total for loss, count, _ in
+                (grpo_loss(logps[s], old[s], ref[s], adv[s], kept[s], **kw) for s in (slice(0, 2), slice(2, 4))))
+    full, _, _ = grpo_loss(logps, old, ref, adv, kept, **kw)
+    assert total == kept.sum().item() and parts.item() == pytest.approx(full.item(), rel=1e-12)

@@ -6,9 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_train import completion_logps
-from plumbing import pad_batch
-from weight_sync import load_weights_into_vllm, repack_cpu_lm_head
+from generation import check_probe, load_weights_into_vllm, repack_cpu_lm_head, vllm_probe_logps
+from grpo_train import completion_logps, pad_batch
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -63,7 +62,7 @@ def test_reload_alone_keeps_the_old_tied_lm_head_and_our_push_fixes_it(setup):
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
     llm.reset_prefix_cache()
     assert max_logp_diff(model, PROMPT, sample(llm, PROMPT)) > 0.1   # the trap, on vLLM 0.32's CPU build
-    load_weights_into_vllm(llm, weights)
+    load_weights_into_vllm(llm, iter(weights.items()))
     assert max_logp_diff(model, PROMPT, sample(llm, PROMPT)) < 1e-3
 
 
@@ -75,12 +74,14 @@ def test_push_clears_prefix_cache_computed_with_old_weights(setup):
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
     llm.collective_rpc(repack_cpu_lm_head)
     assert max_logp_diff(model, LONG_PROMPT, sample(llm, LONG_PROMPT)) > 0.1
-    load_weights_into_vllm(llm, weights)
+    load_weights_into_vllm(llm, iter(weights.items()))
     assert max_logp_diff(model, LONG_PROMPT, sample(llm, LONG_PROMPT)) < 1e-3
 
 
-def test_weight_sync_versions_eval_requests_and_probe_check(setup):
-    from weight_sync import WeightSync
+def test_probe_check_catches_a_mismatch_and_a_reload_that_did_nothing(setup):
+    """After a push, vLLM's probe log-probs must equal the trainer's; and when a step moves the trainer's
+    probe by less than --sync-tol (a small learning rate), a reload that silently did nothing must still be
+    caught: vLLM's probe then stays exactly where it was."""
     llm, model = setup
     probe = LONG_PROMPT[:40]
     ids = torch.tensor([probe])
@@ -89,15 +90,22 @@ def test_weight_sync_versions_eval_requests_and_probe_check(setup):
         with torch.no_grad():
             return completion_logps(model, ids, torch.ones_like(ids), len(probe) - 1)[0]
 
-    sync = WeightSync(model.named_parameters(), probe)
-    assert sync.push(model.named_parameters(), trainer_probe(), evaluate=True) == 0
-    version, eval_version, diff = sync.pull(llm, -1)
-    assert (version, eval_version) == (0, 0) and diff < 1e-3
-    assert sync.pull(llm, 0) is None   # nothing newer
-    perturbed(model, seed=3)
-    assert sync.push(model.named_parameters(), trainer_probe(), evaluate=False) == 1
-    version, eval_version, diff = sync.pull(llm, 0)
-    assert (version, eval_version) == (1, 0) and diff < 1e-3   # the new weights landed
-    # a probe that does not match what vLLM serves is reported, not hidden
-    sync.push(model.named_parameters(), trainer_probe() + 0.5, evaluate=False)
-    assert sync.pull(llm, 1)[2] == pytest.approx(0.5, abs=1e-3)
+    load_weights_into_vllm(llm, iter(perturbed(model, seed=3).items()))
+    got0, want0 = vllm_probe_logps(llm, probe), trainer_probe()
+    assert check_probe(got0, want0, None, None, tol=0.1, version=0) < 1e-3
+    with pytest.raises(RuntimeError, match="differ from the trainer's by 0.5"):
+        check_probe(got0, want0 + 0.5, None, None, tol=0.1, version=0)
+    # a step far below the tolerance, and a reload that does nothing
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 1e-3)
+    want1 = trainer_probe()
+    assert 0 < (want1 - want0).abs().mean() < 0.1   # the first check alone would pass
+    load_weights_into_vllm(llm, iter([]))
+    got1 = vllm_probe_logps(llm, probe)
+    with pytest.raises(RuntimeError, match="the reload did nothing"):
+        check_probe(got1, want1, got0, want0, tol=0.1, version=1)
+    # the real reload passes
+    load_weights_into_vllm(llm, iter({n: p.detach().clone() for n, p in model.named_parameters()}.items()))
+    assert check_probe(vllm_probe_logps(llm, probe), want1, got0, want0, tol=0.1, version=1) < 1e-3

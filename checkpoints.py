@@ -1,0 +1,89 @@
+"""Resumable checkpoints of a GRPO run: out_dir/step_N holds the HF model and tokenizer, DeepSpeed's files
+(every rank's ZeRO-2 optimizer shard) and the run's state (grpo_state.json); out_dir/latest names the newest
+complete one. grpo_train.py uses it; read that first."""
+import json
+import os
+import re
+import shutil
+
+import torch.distributed as dist
+
+from ref_server import reload_reference
+
+
+def fresh_state():
+    return {"step": 0, "data_pos": 0, "ref": None, "counts": {"skipped_steps": 0, "stale_dropped": 0}}
+
+
+def read_state(out_dir, resume, master):
+    """All ranks: the run's state, a fresh one or (resume) the one saved with the checkpoint `latest` names.
+    Read before the engine is built: the generation process starts from it while DeepSpeed sets up."""
+    state, latest = fresh_state(), os.path.join(out_dir, "latest")
+    if not resume:
+        return state
+    if not os.path.exists(latest):
+        if master:
+            print(f"--resume: no checkpoint in {out_dir}, starting from --model", flush=True)
+        return state
+    with open(latest) as f:
+        path = os.path.join(out_dir, f.read().strip())
+    with open(os.path.join(path, "grpo_state.json")) as f:
+        state.update(json.load(f))
+    if master:
+        print(f"resuming after step {state['step']} from {path}", flush=True)
+    return state
+
+
+def load_checkpoint(engine, out_dir, step):
+    """All ranks: the model and this rank's optimizer shard (DeepSpeed 0.19) of checkpoint step_<step>; none at
+    step 0 (a fresh run)."""
+    if step == 0:
+        return
+    path, _ = engine.load_checkpoint(out_dir, tag=f"step_{step}")
+    if path is None:
+        raise RuntimeError(f"{os.path.join(out_dir, f'step_{step}')}: DeepSpeed could not load this checkpoint")
+
+
+def save_checkpoint(engine, tokenizer, out_dir, state, *, keep, reload_url=None):
+    """All ranks: checkpoint step_<state["step"]>, atomic against a kill: everything is written to step_N.tmp,
+    renamed when complete, and only then does the file `latest` (replaced by a rename) name it. Not against
+    a power cut: nothing is fsync'ed. reload_url: the reference server there then serves this checkpoint
+    (--ref-sync-every), and the state records it. keep: how many step_N folders stay (0: all)."""
+    tag, master = f"step_{state['step']}", dist.get_rank() == 0
+    tmp, final = os.path.join(out_dir, tag + ".tmp"), os.path.abspath(os.path.join(out_dir, tag))
+    if reload_url:
+        state["ref"] = final
+    if master and os.path.exists(tmp):   # left by a run killed while saving
+        shutil.rmtree(tmp)
+    dist.barrier()
+    engine.save_checkpoint(out_dir, tag=tag + ".tmp", save_latest=False)
+    if master:
+        engine.module.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "grpo_state.json"), "w") as f:
+            json.dump(state, f)
+    dist.barrier()   # every rank's shard is written
+    if master:
+        if os.path.exists(final):   # saved before by a run that was then resumed from an earlier step
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
+            f.write(tag)
+        os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
+        if reload_url:
+            reload_reference(reload_url, final)
+        if keep:
+            prune_checkpoints(out_dir, state["step"], keep, state["ref"])
+    dist.barrier()
+
+
+def prune_checkpoints(out_dir, step, keep, ref):
+    """Delete the step_N folders before `step` but the newest keep - 1 of them, and never `ref` (the one the
+    reference server serves). Folders after `step` (left by a run that was resumed from earlier) stay: the
+    save at that step replaces them."""
+    steps = sorted(int(m.group(1)) for name in os.listdir(out_dir) if (m := re.fullmatch(r"step_(\d+)", name)))
+    older = [n for n in steps if n < step]
+    for n in older[:max(0, len(older) - (keep - 1))]:
+        path = os.path.abspath(os.path.join(out_dir, f"step_{n}"))
+        if path != ref:
+            shutil.rmtree(path)

@@ -1,0 +1,131 @@
+"""The metrics of a GRPO run: what each step logs (README, "Metrics", lists every key), how the ranks' sums
+are combined, the run's counters, and the metrics file. grpo_train.py uses it; read that first."""
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+from statistics import fmean as mean
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+
+def rollout_metrics(scored, rounds, n_kept, n_dropped, group_size):
+    """A batch's reward/*, completion_len/*, frac_zero_std, gen/rounds and batch/groups.
+    scored: (total reward, {reward name: value}, reward errors, vLLM completion) of every sample."""
+    totals, parts, errors, completions = zip(*scored)
+    metrics = {f"reward/{name}": mean([p[name] for p in parts]) for name in parts[0]}
+    metrics.update({
+        "reward/mean": mean(totals), "reward/errors": sum(errors),
+        "completion_len/mean": mean([len(c.token_ids) for c in completions]),
+        "completion_len/truncated": mean([c.finish_reason == "length" for c in completions]),
+        "frac_zero_std": n_dropped / (n_kept + n_dropped), "gen/rounds": rounds,
+        "batch/groups": min(n_kept, len(completions) // rounds) // group_size})
+    return metrics
+
+
+def add_stats(sums, stats, weight):
+    """Accumulate a micro-batch's stats (weight 0: a rank's filler pass): keys ending in _max by max."""
+    for k, v in stats.items():
+        v = v * weight
+        sums[k] = torch.maximum(sums[k], v) if k in sums and k.endswith("_max") else sums.get(k, 0) + v
+
+
+# the stats every rank sums (or maxes) in the same order, whether or not it had a micro-batch
+SUM_KEYS = ("loss", "kl_sum", "clip_low", "clip_high", "tokens", "ratio_sum", "gap_sum")
+MAX_KEYS = ("ratio_max", "gap_max")
+
+
+def reduce_stats(sums, device):
+    """The step's stats summed (maxed) over all ranks."""
+    as_tensor = lambda keys: torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float32, device=device)
+                                          for k in keys])
+    total, top = as_tensor(SUM_KEYS), as_tensor(MAX_KEYS)
+    dist.all_reduce(total)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return dict(zip(SUM_KEYS + MAX_KEYS, total.tolist() + top.tolist()))
+
+
+def loss_metrics(sums, num_iterations):
+    """loss (mean over --num-iterations), kl, clip/*, ratio/* and sampling/* of a step."""
+    tokens, n = max(sums["tokens"], 1), num_iterations
+    return {"loss": sums["loss"] / n, "kl": sums["kl_sum"] / tokens, "clip/low": sums["clip_low"] / tokens,
+            "clip/high": sums["clip_high"] / tokens, "ratio/mean": sums["ratio_sum"] / tokens,
+            "ratio/max": sums["ratio_max"], "sampling/logp_diff_mean": sums["gap_sum"] * n / tokens,
+            "sampling/logp_diff_max": sums["gap_max"]}
+
+
+@contextmanager
+def timed(times, key):
+    """times[key] = the seconds the block took."""
+    t0 = time.time()
+    yield
+    times[key] = time.time() - t0
+
+
+class Counters:
+    """The run's counters, saved with each checkpoint (`saved`, a dict the state holds): skipped_steps
+    (updates DeepSpeed skipped for a non-finite gradient norm) and stale_dropped; it stops the run after
+    --max-skips steps in a row with a skipped update."""
+
+    def __init__(self, saved, max_skips):
+        self.saved, self.max_skips, self.in_a_row = saved, max_skips, 0
+
+    def after_step(self, step, grad_norms, stale_dropped):
+        skipped = sum(not math.isfinite(g) for g in grad_norms)
+        self.saved["skipped_steps"] += skipped
+        self.saved["stale_dropped"] += stale_dropped
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        if self.in_a_row >= self.max_skips:
+            raise SystemExit(f"grpo_train.py: stopping at step {step}: the gradient norm was not finite "
+                             f"{self.in_a_row} times in a row (--max-skips); the last checkpoint is unaffected")
+
+
+class MetricsLog:
+    """metrics.jsonl (one JSON object per step, with time/elapsed_s), tensorboard if asked, and a progress
+    line per step. On resume the file keeps the steps up to the checkpoint, so it stays one line per step.
+    With --eval-only it writes eval.json instead."""
+
+    def __init__(self, out_dir, resume_step, tensorboard, eval_only):
+        self.out_dir, self.t_start, self.file, self.tb = out_dir, time.time(), None, None
+        os.makedirs(out_dir, exist_ok=True)
+        if eval_only:
+            return
+        path = os.path.join(out_dir, "metrics.jsonl")
+        kept = []
+        if resume_step and os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] <= resume_step:
+                            kept.append(line)
+                    except json.JSONDecodeError:   # the torn last line of a killed run
+                        pass
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+        self.file = open(path, "a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(out_dir)
+
+    def write(self, log):
+        log["time/elapsed_s"] = time.time() - self.t_start
+        self.file.write(json.dumps(log) + "\n")
+        self.file.flush()
+        if self.tb:
+            for k, v in log.items():
+                self.tb.add_scalar(k, v, log["step"])
+        tqdm.write(f"step {log['step']:4d} | reward {log['reward/mean']:.3f} | loss {log['loss']:+.4f} | "
+                   f"kl {log['kl']:.4f} | len {log['completion_len/mean']:.1f} | "
+                   f"zero-std {log['frac_zero_std']:.2f}"
+                   + (f" | eval {log['eval/accuracy']:.3f}" if "eval/accuracy" in log else ""))
+
+    def write_eval(self, model, task, n, evals):
+        """--eval-only: the result, as one JSON line on stdout and in out_dir/eval.json."""
+        result = {"model": model, "task": task, "eval/size": n, **evals}
+        with open(os.path.join(self.out_dir, "eval.json"), "w") as f:
+            json.dump(result, f)
+        print(json.dumps(result), flush=True)
