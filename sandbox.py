@@ -1,26 +1,30 @@
-"""Runs a completion's Python against unit tests in a jail: the engine of the code reward (rewards.code_reward),
-the rule-based "reward server" of code-RL pipelines, kept local and small. It imports no project module.
+"""Runs a completion's Python against unit tests in a jail: the engine of the code reward
+(rewards.code_reward), the rule-based "reward server" of code-RL pipelines, kept local and small. It imports
+no project module.
 
-The jail is bubblewrap (`bwrap`, Debian's `bubblewrap`, the sandbox Flatpak uses), one per completion: new user,
-PID, network, IPC, UTS and mount namespaces; a root file system holding only /usr and the Python installation,
-read-only; a 16 MiB tmpfs as the working folder (/tmp); its own /proc (its own processes only) and a minimal,
-read-only /dev; an empty environment; no new user namespaces; and a seccomp filter that refuses every new
-process (fork, vfork, clone without CLONE_THREAD; clone3 answers ENOSYS so that threads fall back to clone).
-RLIMIT_NPROC cannot do that last part: it does not bind root, and the trainer often runs as root. The project,
-the trainer's environment and files, other processes and the network are not in the jail at all. A trusted
-prologue sets resource limits (CPU seconds, address space, file size, open files, no core dumps) before the
-completion runs; the wall clock is watched from outside, and at `timeout_s` or 1 MiB of output the jail is
-killed whole (its PID namespace dies with it, and with the trainer: --die-with-parent).
+The jail is bubblewrap (`bwrap`, Debian's `bubblewrap`, the sandbox Flatpak uses), one per completion: new
+user, PID, network, IPC, UTS and mount namespaces; a root file system holding only /usr and the Python
+installation, read-only; a 16 MiB tmpfs as the working folder (/tmp); its own /proc (its own processes only)
+and a minimal, read-only /dev; an empty environment; no new user namespaces; and a seccomp filter that refuses
+every new process (fork, vfork, clone without CLONE_THREAD; clone3 answers ENOSYS so that threads fall back to
+clone). RLIMIT_NPROC cannot do that last part: it does not bind root, and the trainer often runs as root. The
+project, the trainer's environment and files, other processes and the network are not in the jail at all.
+A trusted prologue sets resource limits (CPU seconds, address space, file size, open files, no core dumps)
+before the completion runs; the wall clock is watched from outside, and at `timeout_s` or 1 MiB of output the
+jail is killed whole (its PID namespace dies with it, and with the trainer: --die-with-parent). The
+in-process audit hook that was this file's defence is gone: the code it watched could patch it (issue 14), and
+inside the jail there is nothing left for it to guard.
 
 The child only computes, the parent judges. A test `assert E == V` (or `assert E`, `assert not E`) is split in
 the parent: the jail is sent E alone and writes back E's value as JSON; the parent compares it with V, which
-never leaves the parent (nor do the reference solutions, which live in tasks.py). So nothing the completion does
-(an object whose __eq__ is always True, patched builtins, sys.exit(), printed fake results) passes a test
-without producing the right values. Result lines carry a random nonce only so that the completion's own prints
-are not taken for results.
+never leaves the parent (nor do the reference solutions, which live in tasks.py). So nothing the completion
+does (an object whose __eq__ is always True, patched builtins, sys.exit(), printed fake results) passes a test
+without producing the right values. Result lines carry a random nonce only so that the completion's own
+prints are not taken for results.
 
-GRPO_UNJAILED=1 runs the same child without the jail (`python -I -S`, an empty environment, a temporary folder,
-the same resource limits): no isolation at all, for completions you trust, or inside a container of its own.
+GRPO_UNJAILED=1 runs the same child without the jail (`python -I -S`, an empty environment, a temporary
+folder, the same resource limits): no isolation at all, for completions you trust, or inside a container of
+its own.
 """
 import ast
 import contextlib
@@ -47,14 +51,16 @@ TMP_MB = 16   # the jail's working folder is memory: bound it (RLIMIT_FSIZE boun
 PROLOGUE = r"""
 import json, os, resource, sys
 def _main(nonce, code, exprs, cpu_s, mem_mb):
-    for lim, val in ((resource.RLIMIT_CPU, cpu_s), (resource.RLIMIT_AS, mem_mb << 20), (resource.RLIMIT_CORE, 0),
-                     (resource.RLIMIT_FSIZE, 1 << 20), (resource.RLIMIT_NOFILE, 64)):
+    R = resource
+    for lim, val in ((R.RLIMIT_CPU, cpu_s), (R.RLIMIT_AS, mem_mb << 20), (R.RLIMIT_CORE, 0),
+                     (R.RLIMIT_FSIZE, 1 << 20), (R.RLIMIT_NOFILE, 64)):
         resource.setrlimit(lim, (val, val))
-    os.write(1, f"\n{nonce} ready\n".encode())   # before the completion runs: the parent knows the jail started
+    # before the completion runs, which therefore cannot hide it: the parent knows the jail started
+    os.write(1, f"\n{nonce} ready\n".encode())
     ns = {"__name__": "__completion__"}
     try:
         exec(compile(code, "<completion>", "exec"), ns)
-    except BaseException:   # a crash or sys.exit() at import: the tests still run (and fail if nothing was defined)
+    except BaseException:   # a crash or sys.exit() at import: the tests still run (and fail if need be)
         pass
     for i, expr in enumerate(exprs):
         try:   # the value must be JSON: an object of the completion's own class fails
@@ -73,16 +79,17 @@ def no_new_processes_filter(machine: str) -> bytes:
     vfork get EPERM, clone too unless it makes a thread (CLONE_THREAD), clone3 ENOSYS (its flags are behind a
     pointer BPF cannot follow; glibc then falls back to clone). Another ABI (i386, x32) kills the process."""
     if machine not in SECCOMP_ARCH:
-        raise RuntimeError(f"no seccomp filter for {machine} (only {', '.join(SECCOMP_ARCH)}); set {UNJAILED}=1 "
-                           f"to run completions unjailed, knowingly")
+        raise RuntimeError(f"no seccomp filter for {machine} (only {', '.join(SECCOMP_ARCH)}); "
+                           f"set {UNJAILED}=1 to run completions unjailed, knowingly")
     arch, clone, clone3, forks = SECCOMP_ARCH[machine]
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06   # BPF_LD|W|ABS, BPF_JMP|JEQ|JGE|JSET|K, BPF_RET|K
     allow, eperm, enosys = 0x7FFF0000, 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
     n = len(forks)
-    prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, 0x80000000), (ld, 0, 0, 0),   # arch, else kill; nr
-            (jge, 6 + n, 0, 0x40000000), (jeq, 5 + n, 0, clone3),                      # x32, clone3: ENOSYS
-            *[(jeq, 2 + n - k, 0, nr) for k, nr in enumerate(forks)],                  # fork, vfork: EPERM
-            (jeq, 0, 3, clone), (ld, 0, 0, 16), (jset, 1, 0, 0x10000),                 # clone: flags & THREAD?
+    # (code, jump if true, jump if false, k); a jump skips that many instructions
+    prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, 0x80000000),   # the arch, or kill the process
+            (ld, 0, 0, 0), (jge, 6 + n, 0, 0x40000000), (jeq, 5 + n, 0, clone3),   # nr; x32, clone3: ENOSYS
+            *[(jeq, 2 + n - k, 0, nr) for k, nr in enumerate(forks)],              # fork, vfork: EPERM
+            (jeq, 0, 3, clone), (ld, 0, 0, 16), (jset, 1, 0, 0x10000),             # clone: CLONE_THREAD?
             (ret, 0, 0, eperm), (ret, 0, 0, allow), (ret, 0, 0, enosys)]
     return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
 
@@ -94,8 +101,9 @@ def jail_argv(bwrap: str, seccomp_fd: int) -> list[str]:
     # (a venv's interpreter resolves to its base; the standard library is under base_prefix)
     roots = sorted({"/usr", os.path.realpath(sys.base_prefix), os.path.dirname(os.path.dirname(python))})
     roots = [r for r in roots if not any(r.startswith(o + os.sep) for o in roots)]
-    argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session", "--clearenv",
-            "--seccomp", str(seccomp_fd)]
+    # (--unshare-all alone makes no user namespace when bwrap runs as root)
+    argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+            "--new-session", "--clearenv", "--seccomp", str(seccomp_fd)]
     for r in roots:
         argv += ["--ro-bind", r, r]
     for d in ("/lib", "/lib64", "/lib32"):   # merged-/usr systems have them as symlinks into /usr
@@ -110,16 +118,17 @@ def jail_argv(bwrap: str, seccomp_fd: int) -> list[str]:
 def check_jail() -> None:
     """RuntimeError, saying what to do, if completions cannot be jailed here; a warning if GRPO_UNJAILED=1."""
     if os.environ.get(UNJAILED) == "1":
-        print(f"{UNJAILED}=1: the code reward runs completions WITHOUT a jail (no isolation)", file=sys.stderr)
+        print(f"{UNJAILED}=1: the code reward runs completions WITHOUT a jail (no isolation)",
+              file=sys.stderr)
         return
     if run_tests("X = 6 * 7", ["assert X == 42"]) != 1:
         raise RuntimeError("the bubblewrap jail started but did not run a trivial program correctly")
 
 
 def split_test(test: str) -> tuple[str, bool, object]:
-    """'assert E == V' -> (E, False, V), 'assert E' -> (E, True, True), 'assert not E' -> (E, True, False): what the
-    child evaluates, whether only its truth counts, and the expected value as JSON sees it (tuples are lists). The
-    tests are this project's own, so any other form is a bug."""
+    """'assert E == V' -> (E, False, V), 'assert E' -> (E, True, True), 'assert not E' -> (E, True, False):
+    what the child evaluates, whether only its truth counts, and the expected value as JSON sees it (tuples
+    are lists). The tests are the task's own, so any other form is a bug (ValueError)."""
     node = ast.parse(test).body[0]
     if not isinstance(node, ast.Assert):
         raise ValueError(f"not an assert: {test!r}")
@@ -131,14 +140,16 @@ def split_test(test: str) -> tuple[str, bool, object]:
     return ast.unparse(e), True, True
 
 
-def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int = 4, mem_mb: int = 512) -> int:
+def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int = 4,
+              mem_mb: int = 512) -> int:
     """Number of `tests` (assert statements, see split_test) that pass after `code` has run, in the jail.
     RuntimeError if the jail did not start (bwrap missing or refused), naming bwrap's complaint."""
     checks, nonce = [split_test(t) for t in tests], secrets.token_hex(16)
     payload = json.dumps([nonce, code, [expr for expr, _, _ in checks], cpu_s, mem_mb]).encode()
     command = [os.path.realpath(sys.executable), "-I", "-S", "-c", PROLOGUE]
     unjailed, fds = os.environ.get(UNJAILED) == "1", []
-    with tempfile.TemporaryDirectory(prefix="grpo_sandbox_") if unjailed else contextlib.nullcontext("/") as cwd:
+    workdir = tempfile.TemporaryDirectory(prefix="grpo_sandbox_") if unjailed else contextlib.nullcontext("/")
+    with workdir as cwd:
         try:
             if not unjailed:
                 bwrap = shutil.which("bwrap")
@@ -155,13 +166,11 @@ def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int
                 os.close(fd)
         out, deadline = b"", time.monotonic() + timeout_s
         try:
-            try:   # the prologue reads all of stdin first thing; a jail that failed to start has closed it
+            # the prologue reads all of stdin first thing; a jail that failed to start has closed it
+            with contextlib.suppress(BrokenPipeError), proc.stdin:
                 proc.stdin.write(payload)
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
-            # read until EOF (every process of the jail is gone), the deadline, or 1 MiB; poll() wakes as soon as
-            # the child exits, where Popen.wait(timeout) sleeps in steps of up to 50 ms
+            # read until EOF (every process of the jail is gone), the deadline, or 1 MiB; poll() wakes as soon
+            # as the child exits, where Popen.wait(timeout) sleeps in steps of up to 50 ms
             poller = select.poll()
             poller.register(proc.stdout, select.POLLIN)
             while len(out) < 1 << 20 and poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
@@ -177,7 +186,7 @@ def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int
             proc.wait()
             proc.stdout.close()
     lines, results = out.decode("utf-8", "replace").splitlines(), {}
-    if f"{nonce} ready" not in lines:   # printed before the completion runs: what is here is bwrap's complaint
+    if f"{nonce} ready" not in lines:   # printed before the completion runs: what is here is bwrap's error
         raise RuntimeError(f"the code reward's jail did not start (bubblewrap >= 0.8 with user namespaces is "
                            f"needed, or {UNJAILED}=1): {out[-2000:].decode('utf-8', 'replace').strip()}")
     for line in lines:
@@ -187,7 +196,8 @@ def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int
     passed = 0
     for i, (_, truth, want) in enumerate(checks):
         got = results.get(str(i), [])
-        if len(got) != 1:   # none, or a second one: the completion found the nonce and offers a guess of its own
+        # none, or a second one: the completion found the nonce and offers a guess of its own
+        if len(got) != 1:
             continue
         try:
             value = json.loads(got[0])   # plain data

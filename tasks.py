@@ -7,9 +7,9 @@ and "answer" (the gold answer the rewards compare against).
     countdown  reach a target from 3 or 4 numbers with + - * /, each number once: generated from a seed
                (held-out problems from a fixed seed), or read from files with "numbers" and "target"
     code       small Python functions (PROBLEMS) checked by unit tests in a jail (sandbox.py)
-    custom     the user's own prompts: a JSONL/Parquet file, a folder with train/test files, or a hub dataset
-               (--data), with a prompt column and an answer column (prompt_key, answer_key); every other column
-               stays in the sample for the rewards (e.g. "tests" for the code reward)
+    custom     the user's own prompts: a JSONL/Parquet file, a folder with train/test files, or a hub
+               dataset (--data), with a prompt column and an answer column (prompt_key, answer_key); every
+               other column stays in the sample for the rewards (e.g. "tests" for the code reward)
 
 Prompts of the real tasks go through the tokenizer's chat template with SYSTEM_PROMPT.
 """
@@ -20,8 +20,8 @@ import random
 
 import rewards
 
-SYSTEM_PROMPT = ("You are a careful problem solver. First think step by step inside <think> </think>, then give "
-                 "only the final answer inside <answer> </answer>.")
+SYSTEM_PROMPT = ("You are a careful problem solver. First think step by step inside <think> </think>, then "
+                 "give only the final answer inside <answer> </answer>.")
 COUNTDOWN_SIZES = {"train": 10000, "test": 500}
 COUNTDOWN_TEST_SEED = 1234   # the held-out problems never depend on --seed, so runs compare
 
@@ -37,7 +37,8 @@ def shuffled_forever(n: int, seed: int, skip: int = 0):
 def drop_long_prompts(samples: list[dict], tokenizer, max_len: int) -> tuple[list[dict], int]:
     """-> (samples whose prompt is at most max_len tokens, number skipped). Never truncates: a cut prompt
     would ask another question."""
-    kept = [s for s in samples if len(tokenizer(s["prompt"], add_special_tokens=False)["input_ids"]) <= max_len]
+    n_tokens = lambda s: len(tokenizer(s["prompt"], add_special_tokens=False)["input_ids"])
+    kept = [s for s in samples if n_tokens(s) <= max_len]
     return kept, len(samples) - len(kept)
 
 
@@ -60,8 +61,10 @@ def data_file(data: str, split: str) -> str:
     else:
         name, other = os.path.basename(data), "test" if split == "train" else "train"
         if split not in name and other not in name:
-            raise ValueError(f"--data {data}: a file's name must contain 'train' or 'test' (or pass a folder)")
-        candidates = [data if split in name else os.path.join(os.path.dirname(data), name.replace(other, split))]
+            raise ValueError(f"--data {data}: a file's name must contain 'train' or 'test' "
+                             f"(or pass a folder)")
+        swapped = os.path.join(os.path.dirname(data), name.replace(other, split))
+        candidates = [data if split in name else swapped]
     for path in candidates:
         if os.path.isfile(path):
             return path
@@ -95,8 +98,10 @@ def gsm8k_samples(split: str, data: str | None, tokenizer) -> list[dict]:
         records = read_records(data_file(data, split))
     out = []
     for where, r in records:
-        if not (isinstance(r, dict) and isinstance(r.get("question"), str) and "####" in str(r.get("answer"))):
-            raise ValueError(f"{where}: a GSM8K record needs a 'question' and an 'answer' ending in '#### <number>'")
+        if not (isinstance(r, dict) and isinstance(r.get("question"), str)
+                and "####" in str(r.get("answer"))):
+            raise ValueError(f"{where}: a GSM8K record needs a 'question' and an 'answer' ending in "
+                             f"'#### <number>'")
         gold = r["answer"].split("####")[-1].strip().replace(",", "")
         out.append({"prompt": chat_prompt(tokenizer, r["question"]), "answer": gold})
     return out
@@ -127,7 +132,8 @@ def countdown_record(where: str, r) -> dict:
     is_int = lambda x: type(x) is int   # not bool, not float: the reward compares exact integers
     if not (isinstance(r, dict) and isinstance(r.get("numbers"), list) and r["numbers"]
             and all(map(is_int, r["numbers"])) and is_int(r.get("target"))):
-        raise ValueError(f"{where}: a Countdown record needs 'numbers' (a list of integers) and an integer 'target'")
+        raise ValueError(f"{where}: a Countdown record needs 'numbers' (a list of integers) and an integer "
+                         f"'target'")
     return r
 
 
@@ -136,13 +142,13 @@ def countdown_samples(split: str, data: str | None, seed: int, tokenizer) -> lis
         problems = [countdown_record(where, r) for where, r in read_records(data_file(data, split))]
     else:
         test = countdown_problems(COUNTDOWN_SIZES["test"], COUNTDOWN_TEST_SEED)
-        problems = test if split == "test" else countdown_problems(
-            COUNTDOWN_SIZES["train"], seed, exclude={(tuple(sorted(p["numbers"])), p["target"]) for p in test})
+        held_out = {(tuple(sorted(p["numbers"])), p["target"]) for p in test}
+        problems = test if split == "test" else countdown_problems(COUNTDOWN_SIZES["train"], seed, held_out)
     out = []
     for p in problems:
-        user = (f"Using the numbers {p['numbers']}, write an equation that equals {p['target']}. Use + - * / and "
-                f"parentheses; use each number exactly once. Put only the expression, like (1 + 2) * 3, in "
-                f"<answer> </answer>.")
+        user = (f"Using the numbers {p['numbers']}, write an equation that equals {p['target']}. Use + - * / "
+                f"and parentheses; use each number exactly once. Put only the expression, like (1 + 2) * 3, "
+                f"in <answer> </answer>.")
         out.append({**p, "prompt": chat_prompt(tokenizer, user), "answer": p["target"]})
     return out
 
@@ -154,13 +160,15 @@ PROBLEMS = [
     ("is_even(n)", "returns True if the integer n is even", "def is_even(n):\n    return n % 2 == 0",
      ["assert is_even(4)", "assert not is_even(7)", "assert is_even(0)", "assert not is_even(-3)"]),
     ("reverse(s)", "returns the string s reversed", "def reverse(s):\n    return s[::-1]",
-     ["assert reverse('abc') == 'cba'", "assert reverse('') == ''", "assert reverse('racecar') == 'racecar'"]),
+     ["assert reverse('abc') == 'cba'", "assert reverse('') == ''",
+      "assert reverse('racecar') == 'racecar'"]),
     ("maximum(xs)", "returns the largest number of the non-empty list xs without using max()",
      "def maximum(xs):\n    m = xs[0]\n    for x in xs:\n        if x > m:\n            m = x\n    return m",
      ["assert maximum([1, 5, 3]) == 5", "assert maximum([-2, -9]) == -2", "assert maximum([7]) == 7"]),
     ("count_vowels(s)", "returns how many characters of s are vowels (a, e, i, o, u, either case)",
      "def count_vowels(s):\n    return sum(c in 'aeiouAEIOU' for c in s)",
-     ["assert count_vowels('hello') == 2", "assert count_vowels('xyz') == 0", "assert count_vowels('AEiou') == 5"]),
+     ["assert count_vowels('hello') == 2", "assert count_vowels('xyz') == 0",
+      "assert count_vowels('AEiou') == 5"]),
     ("factorial(n)", "returns n! for an integer n >= 0",
      "def factorial(n):\n    r = 1\n    for i in range(2, n + 1):\n        r *= i\n    return r",
      ["assert factorial(0) == 1", "assert factorial(5) == 120", "assert factorial(10) == 3628800"]),
@@ -174,8 +182,10 @@ PROBLEMS = [
      "def sum_digits(n):\n    return sum(int(d) for d in str(n))",
      ["assert sum_digits(0) == 0", "assert sum_digits(123) == 6", "assert sum_digits(9999) == 36"]),
     ("unique(xs)", "returns the elements of xs without repeats, in the order they first appear",
-     "def unique(xs):\n    out = []\n    for x in xs:\n        if x not in out:\n            out.append(x)\n    return out",
-     ["assert unique([1, 2, 1, 3, 2]) == [1, 2, 3]", "assert unique([]) == []", "assert unique(['a', 'a']) == ['a']"]),
+     "def unique(xs):\n    out = []\n    for x in xs:\n        if x not in out:\n"
+     "            out.append(x)\n    return out",
+     ["assert unique([1, 2, 1, 3, 2]) == [1, 2, 3]", "assert unique([]) == []",
+      "assert unique(['a', 'a']) == ['a']"]),
     ("gcd(a, b)", "returns the greatest common divisor of two positive integers",
      "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a",
      ["assert gcd(12, 18) == 6", "assert gcd(7, 13) == 1", "assert gcd(100, 10) == 10"]),
@@ -212,13 +222,14 @@ def custom_samples(split: str, data: str | None, tokenizer, prompt_key: str, ans
     """Records of --data (local files as data_file finds them, else a hub dataset's split): the prompt column
     through chat_prompt, the answer column as "answer", the other columns kept as they are."""
     if data is None:
-        raise ValueError("--task custom reads --data: a JSONL or Parquet file, a folder with train/test files, or "
-                         "a hub dataset name")
+        raise ValueError("--task custom reads --data: a JSONL or Parquet file, a folder with train/test "
+                         "files, or a hub dataset name")
     if os.path.exists(data):
         records = read_records(data_file(data, split))
     else:   # a hub dataset (needs the internet once; cached by datasets afterwards)
         import datasets
-        records = [(f"{data} {split} row {i}", r) for i, r in enumerate(datasets.load_dataset(data, split=split), 1)]
+        rows = datasets.load_dataset(data, split=split)
+        records = [(f"{data} {split} row {i}", r) for i, r in enumerate(rows, 1)]
     out = []
     for where, r in records:
         for key, flag in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
@@ -226,15 +237,16 @@ def custom_samples(split: str, data: str | None, tokenizer, prompt_key: str, ans
                 have = ", ".join(map(repr, r)) if isinstance(r, dict) else type(r).__name__
                 raise ValueError(f"{where}: no {key!r} column ({flag}); this record has {have}")
         if not isinstance(r[prompt_key], str):
-            raise ValueError(f"{where}: the {prompt_key!r} column must be text, not {type(r[prompt_key]).__name__}")
+            raise ValueError(f"{where}: the {prompt_key!r} column must be text, "
+                             f"not {type(r[prompt_key]).__name__}")
         out.append({**r, "prompt": chat_prompt(tokenizer, r[prompt_key]), "answer": r[answer_key]})
     return out
 
 
 def load_task(name: str, split: str, *, data: str | None = None, seed: int = 0, tokenizer=None,
               prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict]:
-    """split is "train" (sampled for GRPO) or "test" (held out, for evaluation only); prompt_key and answer_key
-    name the columns of --task custom."""
+    """split is "train" (sampled for GRPO) or "test" (held out, for evaluation only); prompt_key and
+    answer_key name the columns of --task custom."""
     if name == "demo":
         from demo.task import make_samples
         return make_samples(split, seed=seed)

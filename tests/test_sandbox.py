@@ -1,7 +1,7 @@
-"""The code reward's jail (sandbox.py, real bubblewrap): right answers score, every escape of issue 14 scores 0
-and leaves no file and no process behind, and nothing of the project, the trainer's environment or the machine's
-files is readable inside. Read-only escapes are also run unjailed (GRPO_UNJAILED=1), where they must work: that
-proves each one is a real attack the jail stops, not code that fails for some other reason."""
+"""The code reward's jail (sandbox.py, real bubblewrap): right answers score, every escape of issue 14 scores
+0 and leaves no file and no process behind, and nothing of the project, the trainer's environment or the
+machine's files is readable inside. Read-only escapes are also run unjailed (GRPO_UNJAILED=1), where they must
+work: that proves each one is a real attack the jail stops, not code that fails for some other reason."""
 import math
 import os
 import secrets
@@ -37,8 +37,8 @@ def descendants():
 
 def lingering(before, marker=None):
     """Processes the completion left: new descendants of this process, or any process on the machine whose
-    command line names `marker` (a daemon reparented away from us), if given. Waits up to 2 s for them to go: the jail's
-    processes die with bwrap, asynchronously."""
+    command line names `marker` (a daemon reparented away from us), if given. Waits up to 2 s for them to go:
+    the jail's processes die with bwrap, asynchronously."""
     deadline = time.monotonic() + 2
     while True:
         left = descendants() - before
@@ -70,7 +70,8 @@ def test_split_test():
 def test_partial_credit_and_no_answer():
     partial = "def add(a, b):\n    return a + b if a < 5 else 0"
     assert rewards.code_reward(answer(partial), ADD) == pytest.approx(2 / 3)
-    assert rewards.code_reward("<answer>def add(a, b):\n    return a * b + 1</answer>", ADD) == pytest.approx(1 / 3)
+    wrong = "<answer>def add(a, b):\n    return a * b + 1</answer>"
+    assert rewards.code_reward(wrong, ADD) == pytest.approx(1 / 3)
     assert rewards.code_reward("def add(a, b): return a + b", ADD) == 0.0   # no <answer>
     assert rewards.code_reward(answer("def add(a, b) return"), ADD) == 0.0   # a syntax error
     assert rewards.code_reward(answer(CORRECT_ADD), {"tests": []}) == 0.0
@@ -78,7 +79,8 @@ def test_partial_credit_and_no_answer():
 
 
 def test_ordinary_code_is_not_blocked():
-    code = ("import collections, functools, math, re, tempfile, threading\nP = collections.namedtuple('P', 'x y')\n"
+    code = ("import collections, functools, math, re, tempfile, threading\n"
+            "P = collections.namedtuple('P', 'x y')\n"
             "box = []\nt = threading.Thread(target=box.append, args=(0,))\nt.start()\nt.join()\n"
             "with tempfile.TemporaryFile() as f:\n    f.write(b'scratch')\n"
             "@functools.lru_cache(None)\ndef add(a, b):\n    print('debug', a, b)\n"
@@ -86,11 +88,11 @@ def test_ordinary_code_is_not_blocked():
     assert rewards.code_reward(answer(code), ADD) == 1.0
 
 
-# ----------------------------------------------------------------- escapes that read: they work unjailed, not jailed
+# --------------------------------------------------------- escapes that read: they work unjailed, not jailed
 
 PATCH_REALPATH = "import posixpath\nposixpath.realpath = lambda p, *a, **k: '/tmp/sandbox/' + str(p)\n"
-# the cheat of issue 14: no implementation at all; it finds the project (the parent's working folder, or where a
-# copy of this repository lives) and runs the reference solutions of tasks.py (sandbox.py held them until now)
+# the cheat of issue 14: no implementation at all; it finds the project (the parent's working folder, or where
+# a copy of this repository lives) and runs the reference solutions of tasks.py (sandbox.py held them before)
 UNIVERSAL_CHEAT = PATCH_REALPATH + f"""
 import ast, glob, os
 def _solutions():
@@ -158,27 +160,32 @@ def test_reading_outside_the_jail_fails(monkeypatch, trainer_with_a_token, unjai
     probe scores 1 exactly when it read it. Unjailed they all do; jailed none does."""
     if unjailed:
         monkeypatch.setenv(sandbox.UNJAILED, "1")
-    monkeypatch.setenv("REF_SERVER_TOKEN", trainer_with_a_token)   # also in os.environ: the child gets none of it
-    passwd = open("/etc/passwd").read()
-    probes = {"/etc/passwd through a patched realpath": (PATCH_REALPATH + "ESCAPED = open('/etc/passwd').read()",
-                                                        passwd),
+    # in this process's os.environ too: the child gets none of it
+    monkeypatch.setenv("REF_SERVER_TOKEN", trainer_with_a_token)
+    passwd, project_file = open("/etc/passwd").read(), os.path.join(ROOT, "tasks.py")
+    probes = {"/etc/passwd through a patched realpath":
+              (PATCH_REALPATH + "ESCAPED = open('/etc/passwd').read()", passwd),
               "/proc/<ppid>/environ and every other process's": (ENVIRON_PROBE, trainer_with_a_token),
               "dir_fd traversal": (DIR_FD_READ, passwd),
-              "the project's own files": (f"ESCAPED = open({os.path.join(ROOT, 'tasks.py')!r}).read()",
-                                          open(os.path.join(ROOT, "tasks.py")).read()),
-              "the environment": ("import os\nESCAPED = os.environ.get('REF_SERVER_TOKEN')", trainer_with_a_token)}
-    scores = {name: sandbox.run_tests(code, [f"assert ESCAPED == {want!r}"]) for name, (code, want) in probes.items()}
+              "the project's own files":
+              (f"ESCAPED = open({project_file!r}).read()", open(project_file).read()),
+              "the environment":
+              ("import os\nESCAPED = os.environ.get('REF_SERVER_TOKEN')", trainer_with_a_token)}
+    scores = {name: sandbox.run_tests(code, [f"assert ESCAPED == {want!r}"])
+              for name, (code, want) in probes.items()}
     # unjailed, the child's environment is still empty: only the four probes of the file system succeed
     assert scores == {name: int(unjailed and name != "the environment") for name in probes}
 
 
-# ----------------------------------------------------------- escapes that write or spawn: jailed only, checked by events
+# ------------------------------------------------ escapes that write or spawn: jailed only, checked by events
 
 WRITE_OUTSIDE = """
 import os, shutil
-for attempt in (lambda: open(TARGET, 'w').write('x'), lambda: os.remove(VICTIM), lambda: os.rename(VICTIM, 'stolen'),
-                lambda: open(VICTIM, 'a').write('x'), lambda: shutil.copy('/proc/self/cmdline', TARGET),
-                lambda: os.open('../' * 40 + TARGET.lstrip('/'), os.O_WRONLY | os.O_CREAT, dir_fd=os.open('.', 0)),
+up = '../' * 40 + TARGET.lstrip('/')
+for attempt in (lambda: open(TARGET, 'w').write('x'), lambda: os.remove(VICTIM),
+                lambda: os.rename(VICTIM, 'stolen'), lambda: open(VICTIM, 'a').write('x'),
+                lambda: shutil.copy('/proc/self/cmdline', TARGET),
+                lambda: os.open(up, os.O_WRONLY | os.O_CREAT, dir_fd=os.open('.', os.O_RDONLY)),
                 lambda: open(os.__file__, 'a').write('x')):
     try:
         attempt()
@@ -224,20 +231,24 @@ def test_writing_outside_the_working_folder_changes_nothing(tmp_path):
     ("infinite loop", "def add(a, b):\n    while True:\n        pass"),
     ("infinite loop at import", "while True:\n    pass"),
     ("fork bomb", "import os\nwhile True:\n    os.fork()"),
-    ("thread bomb", "import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, args=(60,)).start()"),
+    ("thread bomb", "import threading, time\nwhile True:\n"
+                    "    threading.Thread(target=time.sleep, args=(60,)).start()"),
     ("memory bomb", "x = bytearray(8 << 30)\ndef add(a, b):\n    return a + b + len(x)"),
     ("slow memory bomb", "x = []\nwhile True:\n    x.append(bytearray(1 << 20))"),
     ("disk bomb", "for i in range(10 ** 6):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))"),
     ("subprocess", "import subprocess\nsubprocess.run(['sh', '-c', 'touch MARKER; sleep 100'])"),
     ("ctypes", "import ctypes\nctypes.CDLL(None).system(b'touch MARKER')"),
-    ("sub-interpreter", "import _xxsubinterpreters as s\ns.run_string(s.create(), \"import os; os.system('touch MARKER')\")"),
+    ("sub-interpreter", "import _xxsubinterpreters as s\n"
+                        "s.run_string(s.create(), \"import os; os.system('touch MARKER')\")"),
     ("kill the test process", f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)"),
-    ("kill the parent through a pidfd", "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(os.getppid()), 9)"),
+    ("kill the parent through a pidfd",
+     "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(os.getppid()), 9)"),
     ("early exit", "import sys\nsys.exit(0)"),
     ("fake results", "for i in range(10):\n    print(f'ok {i}')\n    print(i)\nimport os\nos._exit(0)"),
     ("socket", "import socket\nsocket.create_connection(('127.0.0.1', 22))"),
     ("always equal", "class Yes:\n    __eq__ = __bool__ = lambda *a: True\ndef add(a, b):\n    return Yes()"),
-    ("patched builtins", "import builtins, json\nbuiltins.exec = builtins.eval = json.dumps = lambda *a, **k: 'true'"),
+    ("patched builtins",
+     "import builtins, json\nbuiltins.exec = builtins.eval = json.dumps = lambda *a, **k: 'true'"),
 ])
 def test_hostile_completions_score_zero_and_leave_nothing(name, code, tmp_path):
     marker = tmp_path / f"pwned-{secrets.token_hex(4)}"   # a name no other process on the machine mentions
@@ -250,15 +261,16 @@ def test_hostile_completions_score_zero_and_leave_nothing(name, code, tmp_path):
 def test_new_processes_are_refused_inside_the_jail():
     """The event behind the fork and shell cases: the kernel refuses them (seccomp), as root too."""
     code = ("import os, subprocess\nR = []\nfor f in (os.fork, lambda: subprocess.run(['true'])):\n"
-            "    try:\n        f()\n        R.append('started')\n    except OSError as e:\n        R.append(e.errno)\n"
+            "    try:\n        f()\n        R.append('started')\n"
+            "    except OSError as e:\n        R.append(e.errno)\n"
             "R.append(os.system('true'))")
     # EPERM twice; system(3) answers exit status 127 (32512 as a wait status): its shell never started
     assert sandbox.run_tests(code, ["assert R == [1, 1, 32512]"]) == 1
 
 
 @pytest.mark.parametrize("code,limit", [
-    ("import time\nwhile True:\n    time.sleep(1)", 3),   # no CPU used: only the wall clock (1 s here) stops it
-    ("while True:\n    print('x' * 10000)", 0.9),           # stopped at 1 MiB of output, long before the timeout
+    ("import time\nwhile True:\n    time.sleep(1)", 3),   # no CPU used: only the wall clock (1 s) stops it
+    ("while True:\n    print('x' * 10000)", 0.9),           # stopped at 1 MiB of output, before the timeout
 ])
 def test_sleeping_and_flooding_completions_are_cut_short(code, limit):
     before, t0 = descendants(), time.time()
@@ -267,20 +279,26 @@ def test_sleeping_and_flooding_completions_are_cut_short(code, limit):
 
 
 def test_forged_results_need_the_right_values():
-    # in-process code can find the nonce (here in the prologue's frame) and write result lines itself; they count
-    # only if they hold the right values, which the child never sees, and not at all next to the harness's own
+    # in-process code can find the nonce (here in the prologue's frame) and write result lines itself; they
+    # count only if they hold the right values, which the child never sees, and not at all next to the
+    # harness's own
     forge = ("import os, sys\ndef add(a, b):\n    nonce = sys._getframe(2).f_locals['nonce']\n"
-             "    for i, v in enumerate(VALUES):\n        os.write(1, f'\\n{nonce} {i} {v}\\n'.encode())\n    END")
-    assert sandbox.run_tests(forge.replace("VALUES", "[3, 0, 42]").replace("END", "os._exit(0)"), ADD["tests"]) == 3
-    assert sandbox.run_tests(forge.replace("VALUES", "['true'] * 3").replace("END", "os._exit(0)"), ADD["tests"]) == 0
-    assert sandbox.run_tests(forge.replace("VALUES", "[3, 0, 42]").replace("END", "return a + b"), ADD["tests"]) == 0
+             "    for i, v in enumerate(VALUES):\n        os.write(1, f'\\n{nonce} {i} {v}\\n'.encode())\n"
+             "    END")
+    forged = lambda values, end: sandbox.run_tests(forge.replace("VALUES", values).replace("END", end),
+                                                   ADD["tests"])
+    assert forged("[3, 0, 42]", "os._exit(0)") == 3
+    assert forged("['true'] * 3", "os._exit(0)") == 0
+    assert forged("[3, 0, 42]", "return a + b") == 0
 
 
 def test_the_jail_holds_only_the_python_installation():
-    code = "import os\nROOT = sorted(os.listdir('/'))\nPROCS = sorted(p for p in os.listdir('/proc') if p.isdigit())"
-    assert sandbox.run_tests(code, ["assert PROCS == ['1', '2']"]) == 1   # bwrap's init and the child: no other
-    top = sorted({"dev", "proc", "tmp", "usr"} | {d for d in ("lib", "lib64", "lib32") if os.path.exists("/" + d)}
-                 | {os.path.realpath(sys.base_prefix).split(os.sep)[1]})
+    code = ("import os\nROOT = sorted(os.listdir('/'))\n"
+            "PROCS = sorted(p for p in os.listdir('/proc') if p.isdigit())")
+    # bwrap's init and the child: no other process
+    assert sandbox.run_tests(code, ["assert PROCS == ['1', '2']"]) == 1
+    libs = {d for d in ("lib", "lib64", "lib32") if os.path.exists("/" + d)}
+    top = sorted({"dev", "proc", "tmp", "usr", os.path.realpath(sys.base_prefix).split(os.sep)[1]} | libs)
     assert sandbox.run_tests(code, [f"assert ROOT == {top!r}"]) == 1
 
 
