@@ -43,18 +43,17 @@ import tempfile
 import time
 
 UNJAILED = "GRPO_UNJAILED"
-NO_BWRAP = (f"the code reward runs each completion in a bubblewrap jail and `bwrap` is not installed: "
-            f"`apt-get install bubblewrap` (the package is `bubblewrap` on Debian, Ubuntu, Fedora and Arch), "
+NO_BWRAP = ("the code reward runs each completion in a bubblewrap jail and `bwrap` is not installed: "
+            "`apt-get install bubblewrap` (the package is `bubblewrap` on Debian, Ubuntu, Fedora and Arch), "
             f"or set {UNJAILED}=1 to run completions unjailed, knowingly")
 TMP_MB = 16   # the jail's working folder is memory: bound it (RLIMIT_FSIZE bounds only one file)
 
 PROLOGUE = r"""
 import json, os, resource, sys
 def _main(nonce, code, exprs, cpu_s, mem_mb):
-    R = resource
-    for lim, val in ((R.RLIMIT_CPU, cpu_s), (R.RLIMIT_AS, mem_mb << 20), (R.RLIMIT_CORE, 0),
-                     (R.RLIMIT_FSIZE, 1 << 20), (R.RLIMIT_NOFILE, 64)):
-        resource.setrlimit(lim, (val, val))
+    limits = {"CPU": cpu_s, "AS": mem_mb << 20, "CORE": 0, "FSIZE": 1 << 20, "NOFILE": 64}
+    for name, val in limits.items():   # the hard limits too: in the jail nothing can raise them again
+        resource.setrlimit(getattr(resource, "RLIMIT_" + name), (val, val))
     # before the completion runs, which therefore cannot hide it: the parent knows the jail started
     os.write(1, f"\n{nonce} ready\n".encode())
     ns = {"__name__": "__completion__"}
@@ -70,25 +69,29 @@ def _main(nonce, code, exprs, cpu_s, mem_mb):
 _main(*json.loads(sys.stdin.read()))
 """
 
-# seccomp: (AUDIT_ARCH_*, clone, clone3, [fork, vfork]) by machine; the numbers are the kernel's syscall table
-SECCOMP_ARCH = {"x86_64": (0xC000003E, 56, 435, [57, 58]), "aarch64": (0xC00000B7, 220, 435, [])}
+# seccomp, by machine: (AUDIT_ARCH_*, clone, clone3, [refused]), numbers from the kernel's syscall tables;
+# refused: fork, vfork (x86_64 only), and SysV shmget, msgget, semget, whose memory outlives a detach and is
+# not bound by RLIMIT_AS (it lives until the jail's IPC namespace goes)
+SECCOMP_ARCH = {"x86_64": (0xC000003E, 56, 435, [57, 58, 29, 68, 64]),
+                "aarch64": (0xC00000B7, 220, 435, [194, 186, 190])}
 
 
-def no_new_processes_filter(machine: str) -> bytes:
+def seccomp_filter(machine: str) -> bytes:
     """A classic-BPF seccomp program (what bwrap --seccomp reads) that refuses to create processes: fork and
     vfork get EPERM, clone too unless it makes a thread (CLONE_THREAD), clone3 ENOSYS (its flags are behind a
-    pointer BPF cannot follow; glibc then falls back to clone). Another ABI (i386, x32) kills the process."""
+    pointer BPF cannot follow; glibc then falls back to clone); SysV IPC objects get EPERM. Another ABI
+    (i386, x32) kills the process."""
     if machine not in SECCOMP_ARCH:
         raise RuntimeError(f"no seccomp filter for {machine} (only {', '.join(SECCOMP_ARCH)}); "
                            f"set {UNJAILED}=1 to run completions unjailed, knowingly")
-    arch, clone, clone3, forks = SECCOMP_ARCH[machine]
+    arch, clone, clone3, refused = SECCOMP_ARCH[machine]
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06   # BPF_LD|W|ABS, BPF_JMP|JEQ|JGE|JSET|K, BPF_RET|K
     allow, eperm, enosys = 0x7FFF0000, 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
-    n = len(forks)
+    n = len(refused)
     # (code, jump if true, jump if false, k); a jump skips that many instructions
     prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, 0x80000000),   # the arch, or kill the process
             (ld, 0, 0, 0), (jge, 6 + n, 0, 0x40000000), (jeq, 5 + n, 0, clone3),   # nr; x32, clone3: ENOSYS
-            *[(jeq, 2 + n - k, 0, nr) for k, nr in enumerate(forks)],              # fork, vfork: EPERM
+            *[(jeq, 2 + n - k, 0, nr) for k, nr in enumerate(refused)],            # refused: EPERM
             (jeq, 0, 3, clone), (ld, 0, 0, 16), (jset, 1, 0, 0x10000),             # clone: CLONE_THREAD?
             (ret, 0, 0, eperm), (ret, 0, 0, allow), (ret, 0, 0, enosys)]
     return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
@@ -156,7 +159,7 @@ def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int
                 if bwrap is None:
                     raise RuntimeError(NO_BWRAP)
                 fds = list(os.pipe())   # the seccomp program, read by bwrap from the pipe's end
-                os.write(fds[1], no_new_processes_filter(platform.machine()))
+                os.write(fds[1], seccomp_filter(platform.machine()))
                 os.close(fds.pop())
                 command = jail_argv(bwrap, fds[0]) + ["--", *command]
             proc = subprocess.Popen(command, cwd=cwd, env={}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

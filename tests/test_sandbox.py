@@ -258,14 +258,23 @@ def test_hostile_completions_score_zero_and_leave_nothing(name, code, tmp_path):
     assert not marker.exists()
 
 
-def test_new_processes_are_refused_inside_the_jail():
-    """The event behind the fork and shell cases: the kernel refuses them (seccomp), as root too."""
-    code = ("import os, subprocess\nR = []\nfor f in (os.fork, lambda: subprocess.run(['true'])):\n"
+def test_the_kernel_refuses_new_processes_and_sysv_memory():
+    """The events behind the fork and shell cases (seccomp refuses them, as root too), and SysV shared memory,
+    which would hold memory beyond RLIMIT_AS until the jail ends: each one fails with EPERM. And the resource
+    limits hold: root inside the jail has no capability to raise them."""
+    code = ("import ctypes, os, subprocess\nR = []\nfor f in (os.fork, lambda: subprocess.run(['true'])):\n"
             "    try:\n        f()\n        R.append('started')\n"
             "    except OSError as e:\n        R.append(e.errno)\n"
-            "R.append(os.system('true'))")
-    # EPERM twice; system(3) answers exit status 127 (32512 as a wait status): its shell never started
-    assert sandbox.run_tests(code, ["assert R == [1, 1, 32512]"]) == 1
+            "R.append(os.system('true'))\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            # IPC_PRIVATE, 256 MiB, IPC_CREAT | 0600
+            "R.append((libc.shmget(0, 1 << 28, 0o1600), ctypes.get_errno()))\n"
+            "t = __import__('threading').Thread(target=R.append, args=('thread',))\nt.start()\nt.join()\n"
+            "import resource\ntry:\n    resource.setrlimit(resource.RLIMIT_CPU, (100, 100))\n"
+            "except ValueError:\n    R.append('limit kept')")
+    # EPERM twice; system(3) answers exit status 127 (32512 as a wait status): its shell never started; shmget
+    # -1 with EPERM; threads still work; the prologue's limits cannot be raised
+    assert sandbox.run_tests(code, ["assert R == [1, 1, 32512, [-1, 1], 'thread', 'limit kept']"]) == 1
 
 
 @pytest.mark.parametrize("code,limit", [
