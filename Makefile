@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # DeepSpeed JIT-compiles a shared-memory op at its first init_distributed (~1 min): keep it in the venv.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
-.PHONY: demo test
+.PHONY: demo test bwrap
 
 $(VENV)/.installed: requirements-cpu.txt requirements-dev.txt
 	python3 -m venv $(VENV)
@@ -16,5 +16,14 @@ $(VENV)/.installed: requirements-cpu.txt requirements-dev.txt
 demo: $(VENV)/.installed
 	$(PY) -m demo.run_demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed bwrap
 	$(PY) -m pytest -q --durations=20 tests
+
+# The code reward runs each completion in a bubblewrap jail (sandbox.py), and its tests run real ones.
+bwrap:
+	@command -v bwrap >/dev/null || if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y -q bubblewrap || { apt-get update -q && apt-get install -y -q bubblewrap; }; \
+	else \
+		echo "bwrap is missing: install the package 'bubblewrap' (sudo apt-get install bubblewrap," \
+		     "or dnf/pacman/zypper install bubblewrap); the code reward and its tests need it" >&2; exit 1; \
+	fi

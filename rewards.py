@@ -4,11 +4,13 @@
             around and between them (no nested tags), else 0.0
     gsm8k   1.0 if the last <answer>...</answer> equals sample["answer"] according to math-verify
             (so "1,000" == "1000", "3.50" == "3.5"), else 0.0
-    demo    1.0 if the last <answer>...</answer>, stripped, is exactly the string sample["answer"] ("42", "-3")
-    countdown  1.0 if the last <answer>...</answer> is an expression of + - * / and parentheses (parsed with
-            `ast`, never eval'ed) using each of sample["numbers"] exactly once, whose value is sample["answer"]
-    code    fraction of sample["tests"] that pass after the code in the last <answer>...</answer> has run, in a
-            child process with limits (sandbox.py)
+    demo    1.0 if the last <answer>...</answer>, stripped, is exactly the string sample["answer"]
+            ("42", "-3")
+    countdown  1.0 if the last <answer>...</answer> is an expression of + - * / and parentheses (parsed
+            with `ast`, never eval'ed) using each of sample["numbers"] exactly once, whose value is
+            sample["answer"]
+    code    fraction of sample["tests"] that pass after the code in the last <answer>...</answer> has run,
+            in a bubblewrap jail (sandbox.py); nan (counted in reward/errors) when the jail could not run it
 
 Pick and weight them with --rewards "gsm8k,format:0.5" (parse_reward_spec) and combine them with score().
 """
@@ -24,9 +26,12 @@ from fractions import Fraction
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
 
+import sandbox
+
 _BODY = r"(?:(?!</?(?:think|answer)>).)*"  # any text without a think/answer tag in it
 FORMAT_RE = re.compile(rf"\s*<think>{_BODY}</think>\s*<answer>{_BODY}</answer>\s*", re.DOTALL)
 MAX_ANSWER_CHARS = 200  # a final answer is short; this also bounds sympy's time when no timeout can be set
+_REPORTED = set()   # reward names whose first failure has been shown
 
 
 def last_answer(completion: str) -> str | None:
@@ -104,9 +109,34 @@ def countdown_reward(completion, sample):
     return 1.0 if sorted(used) == sorted(numbers) and got == sample.get("answer") else 0.0
 
 
+def extract_code(completion: str) -> str | None:
+    """The last <answer>...</answer>, without a ```python fence around it."""
+    code = last_answer(completion) if isinstance(completion, str) else None
+    if code is None:
+        return None
+    code = code.strip()
+    if code.startswith("```"):
+        code = code.split("\n", 1)[1] if "\n" in code else ""
+        code = code.rsplit("```", 1)[0]
+    return code
+
+
 def code_reward(completion, sample):
-    import sandbox   # here: sandbox imports this module
-    return sandbox.code_reward(completion, sample)
+    """Fraction of the sample's unit tests that pass (sandbox.run_tests); 0 without an answer or tests."""
+    code = extract_code(completion)
+    tests = sample.get("tests") if isinstance(sample, dict) else None
+    if not code or not isinstance(tests, list) or not tests:
+        return 0.0
+    try:
+        return sandbox.run_tests(code, tests) / len(tests)
+    except (OSError, RuntimeError, SyntaxError, ValueError) as e:
+        # the jail did not start (or a test is malformed): not the completion's doing, so not a silent 0
+        # but nan, which score() counts in reward/errors; the first cause is shown
+        if "code" not in _REPORTED:
+            _REPORTED.add("code")
+            print(f"reward 'code' could not judge a completion (shown once): {e}", file=sys.stderr,
+                  flush=True)
+        return math.nan
 
 
 REWARDS = {"format": format_reward, "gsm8k": gsm8k_reward, "demo": demo_reward, "countdown": countdown_reward,
@@ -114,7 +144,8 @@ REWARDS = {"format": format_reward, "gsm8k": gsm8k_reward, "demo": demo_reward, 
 
 
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """'gsm8k,format:0.5' -> [('gsm8k', 1.0), ('format', 0.5)]. ValueError on an unknown name or bad weight."""
+    """'gsm8k,format:0.5' -> [('gsm8k', 1.0), ('format', 0.5)]. ValueError on an unknown name or bad weight,
+    or for "code" where its jail cannot run (sandbox.check_jail): the run refuses to start, not score 0."""
     out = []
     for part in spec.split(","):
         name, _, weight = (x.strip() for x in part.partition(":"))
@@ -130,23 +161,26 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
             raise ValueError(f"bad weight {weight!r} for reward {name!r}; use name[:weight], valid names: "
                              f"{', '.join(REWARDS)}")
         out.append((name, w))
+    if "code" in dict(out):
+        try:
+            sandbox.check_jail()
+        except RuntimeError as e:
+            raise ValueError(f"reward 'code': {e}") from None
     return out
-
-
-_REPORTED = set()   # reward names whose first failure has been shown
 
 
 def score(completion: str, sample: dict, spec_list: list[tuple[str, float]]) -> tuple[float, dict, int]:
     """-> (total, components, n_errors).
 
-    total is the weighted sum; components maps each reward name to its unweighted value (log as reward/<name>).
-    A reward that raises or returns a non-finite value counts as 0.0 and adds 1 to n_errors."""
+    total is the weighted sum; components maps each reward name to its unweighted value (logged as
+    reward/<name>). A reward that raises or returns a non-finite value counts as 0.0 and adds 1 to
+    n_errors."""
     total, components, n_errors = 0.0, {}, 0
     for name, weight in spec_list:
         fn = REWARDS[name]  # an unknown name is a programming error: let the KeyError out
         try:
             r = float(fn(completion, sample))
-        except Exception:  # a buggy reward must not kill the run; it is counted, and its first traceback shown
+        except Exception:   # a buggy reward must not kill the run: counted, its first traceback shown
             if name not in _REPORTED:
                 _REPORTED.add(name)
                 print(f"reward {name!r} raised (scored 0, counted in reward/errors; shown once):\n"

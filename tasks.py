@@ -6,7 +6,10 @@ and "answer" (the gold answer the rewards compare against).
                after "####" in the solution
     countdown  reach a target from 3 or 4 numbers with + - * /, each number once: generated from a seed
                (held-out problems from a fixed seed), or read from files with "numbers" and "target"
-    code       small Python functions checked by unit tests in a sandbox (sandbox.py)
+    code       small Python functions (PROBLEMS) checked by unit tests in a jail (sandbox.py)
+    custom     the user's own prompts: a JSONL/Parquet file, a folder with train/test files, or a hub
+               dataset (--data), with a prompt column and an answer column (prompt_key, answer_key); every
+               other column stays in the sample for the rewards (e.g. "tests" for the code reward)
 
 Prompts of the real tasks go through the tokenizer's chat template with SYSTEM_PROMPT.
 """
@@ -17,8 +20,8 @@ import random
 
 import rewards
 
-SYSTEM_PROMPT = ("You are a careful problem solver. First think step by step inside <think> </think>, then give "
-                 "only the final answer inside <answer> </answer>.")
+SYSTEM_PROMPT = ("You are a careful problem solver. First think step by step inside <think> </think>, then "
+                 "give only the final answer inside <answer> </answer>.")
 COUNTDOWN_SIZES = {"train": 10000, "test": 500}
 COUNTDOWN_TEST_SEED = 1234   # the held-out problems never depend on --seed, so runs compare
 
@@ -34,7 +37,8 @@ def shuffled_forever(n: int, seed: int, skip: int = 0):
 def drop_long_prompts(samples: list[dict], tokenizer, max_len: int) -> tuple[list[dict], int]:
     """-> (samples whose prompt is at most max_len tokens, number skipped). Never truncates: a cut prompt
     would ask another question."""
-    kept = [s for s in samples if len(tokenizer(s["prompt"], add_special_tokens=False)["input_ids"]) <= max_len]
+    n_tokens = lambda s: len(tokenizer(s["prompt"], add_special_tokens=False)["input_ids"])
+    kept = [s for s in samples if n_tokens(s) <= max_len]
     return kept, len(samples) - len(kept)
 
 
@@ -57,8 +61,10 @@ def data_file(data: str, split: str) -> str:
     else:
         name, other = os.path.basename(data), "test" if split == "train" else "train"
         if split not in name and other not in name:
-            raise ValueError(f"--data {data}: a file's name must contain 'train' or 'test' (or pass a folder)")
-        candidates = [data if split in name else os.path.join(os.path.dirname(data), name.replace(other, split))]
+            raise ValueError(f"--data {data}: a file's name must contain 'train' or 'test' "
+                             f"(or pass a folder)")
+        swapped = os.path.join(os.path.dirname(data), name.replace(other, split))
+        candidates = [data if split in name else swapped]
     for path in candidates:
         if os.path.isfile(path):
             return path
@@ -92,8 +98,10 @@ def gsm8k_samples(split: str, data: str | None, tokenizer) -> list[dict]:
         records = read_records(data_file(data, split))
     out = []
     for where, r in records:
-        if not (isinstance(r, dict) and isinstance(r.get("question"), str) and "####" in str(r.get("answer"))):
-            raise ValueError(f"{where}: a GSM8K record needs a 'question' and an 'answer' ending in '#### <number>'")
+        if not (isinstance(r, dict) and isinstance(r.get("question"), str)
+                and "####" in str(r.get("answer"))):
+            raise ValueError(f"{where}: a GSM8K record needs a 'question' and an 'answer' ending in "
+                             f"'#### <number>'")
         gold = r["answer"].split("####")[-1].strip().replace(",", "")
         out.append({"prompt": chat_prompt(tokenizer, r["question"]), "answer": gold})
     return out
@@ -124,7 +132,8 @@ def countdown_record(where: str, r) -> dict:
     is_int = lambda x: type(x) is int   # not bool, not float: the reward compares exact integers
     if not (isinstance(r, dict) and isinstance(r.get("numbers"), list) and r["numbers"]
             and all(map(is_int, r["numbers"])) and is_int(r.get("target"))):
-        raise ValueError(f"{where}: a Countdown record needs 'numbers' (a list of integers) and an integer 'target'")
+        raise ValueError(f"{where}: a Countdown record needs 'numbers' (a list of integers) and an integer "
+                         f"'target'")
     return r
 
 
@@ -133,19 +142,111 @@ def countdown_samples(split: str, data: str | None, seed: int, tokenizer) -> lis
         problems = [countdown_record(where, r) for where, r in read_records(data_file(data, split))]
     else:
         test = countdown_problems(COUNTDOWN_SIZES["test"], COUNTDOWN_TEST_SEED)
-        problems = test if split == "test" else countdown_problems(
-            COUNTDOWN_SIZES["train"], seed, exclude={(tuple(sorted(p["numbers"])), p["target"]) for p in test})
+        held_out = {(tuple(sorted(p["numbers"])), p["target"]) for p in test}
+        problems = test if split == "test" else countdown_problems(COUNTDOWN_SIZES["train"], seed, held_out)
     out = []
     for p in problems:
-        user = (f"Using the numbers {p['numbers']}, write an equation that equals {p['target']}. Use + - * / and "
-                f"parentheses; use each number exactly once. Put only the expression, like (1 + 2) * 3, in "
-                f"<answer> </answer>.")
+        user = (f"Using the numbers {p['numbers']}, write an equation that equals {p['target']}. Use + - * / "
+                f"and parentheses; use each number exactly once. Put only the expression, like (1 + 2) * 3, "
+                f"in <answer> </answer>.")
         out.append({**p, "prompt": chat_prompt(tokenizer, user), "answer": p["target"]})
     return out
 
 
-def load_task(name: str, split: str, *, data: str | None = None, seed: int = 0, tokenizer=None) -> list[dict]:
-    """split is "train" (sampled for GRPO) or "test" (held out, for evaluation only)."""
+# (function, what it must do, a reference solution, unit tests): written for this project
+PROBLEMS = [
+    ("add(a, b)", "returns the sum of a and b", "def add(a, b):\n    return a + b",
+     ["assert add(1, 2) == 3", "assert add(-5, 5) == 0", "assert add(10, 32) == 42"]),
+    ("is_even(n)", "returns True if the integer n is even", "def is_even(n):\n    return n % 2 == 0",
+     ["assert is_even(4)", "assert not is_even(7)", "assert is_even(0)", "assert not is_even(-3)"]),
+    ("reverse(s)", "returns the string s reversed", "def reverse(s):\n    return s[::-1]",
+     ["assert reverse('abc') == 'cba'", "assert reverse('') == ''",
+      "assert reverse('racecar') == 'racecar'"]),
+    ("maximum(xs)", "returns the largest number of the non-empty list xs without using max()",
+     "def maximum(xs):\n    m = xs[0]\n    for x in xs:\n        if x > m:\n            m = x\n    return m",
+     ["assert maximum([1, 5, 3]) == 5", "assert maximum([-2, -9]) == -2", "assert maximum([7]) == 7"]),
+    ("count_vowels(s)", "returns how many characters of s are vowels (a, e, i, o, u, either case)",
+     "def count_vowels(s):\n    return sum(c in 'aeiouAEIOU' for c in s)",
+     ["assert count_vowels('hello') == 2", "assert count_vowels('xyz') == 0",
+      "assert count_vowels('AEiou') == 5"]),
+    ("factorial(n)", "returns n! for an integer n >= 0",
+     "def factorial(n):\n    r = 1\n    for i in range(2, n + 1):\n        r *= i\n    return r",
+     ["assert factorial(0) == 1", "assert factorial(5) == 120", "assert factorial(10) == 3628800"]),
+    ("fib(n)", "returns the n-th Fibonacci number, fib(0) = 0 and fib(1) = 1",
+     "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
+     ["assert fib(0) == 0", "assert fib(1) == 1", "assert fib(10) == 55", "assert fib(30) == 832040"]),
+    ("is_palindrome(s)", "returns True if s reads the same backwards, ignoring case",
+     "def is_palindrome(s):\n    return s.lower() == s.lower()[::-1]",
+     ["assert is_palindrome('Level')", "assert not is_palindrome('abc')", "assert is_palindrome('')"]),
+    ("sum_digits(n)", "returns the sum of the decimal digits of the integer n >= 0",
+     "def sum_digits(n):\n    return sum(int(d) for d in str(n))",
+     ["assert sum_digits(0) == 0", "assert sum_digits(123) == 6", "assert sum_digits(9999) == 36"]),
+    ("unique(xs)", "returns the elements of xs without repeats, in the order they first appear",
+     "def unique(xs):\n    out = []\n    for x in xs:\n        if x not in out:\n"
+     "            out.append(x)\n    return out",
+     ["assert unique([1, 2, 1, 3, 2]) == [1, 2, 3]", "assert unique([]) == []",
+      "assert unique(['a', 'a']) == ['a']"]),
+    ("gcd(a, b)", "returns the greatest common divisor of two positive integers",
+     "def gcd(a, b):\n    while b:\n        a, b = b, a % b\n    return a",
+     ["assert gcd(12, 18) == 6", "assert gcd(7, 13) == 1", "assert gcd(100, 10) == 10"]),
+    ("is_prime(n)", "returns True if the integer n is a prime number",
+     "def is_prime(n):\n    return n > 1 and all(n % d for d in range(2, int(n ** 0.5) + 1))",
+     ["assert is_prime(2)", "assert not is_prime(1)", "assert is_prime(97)", "assert not is_prime(91)"]),
+    ("word_count(s)", "returns the number of words of s, words being separated by whitespace",
+     "def word_count(s):\n    return len(s.split())",
+     ["assert word_count('a b  c') == 3", "assert word_count('') == 0", "assert word_count(' one ') == 1"]),
+    ("flatten(xss)", "returns one list with the elements of the lists in xss, in order",
+     "def flatten(xss):\n    return [x for xs in xss for x in xs]",
+     ["assert flatten([[1], [2, 3], []]) == [1, 2, 3]", "assert flatten([]) == []"]),
+    ("clamp(x, lo, hi)", "returns x limited to the range lo..hi",
+     "def clamp(x, lo, hi):\n    return max(lo, min(x, hi))",
+     ["assert clamp(5, 0, 10) == 5", "assert clamp(-1, 0, 10) == 0", "assert clamp(11, 0, 10) == 10"]),
+    ("second_largest(xs)", "returns the second largest distinct value of xs (which has at least two)",
+     "def second_largest(xs):\n    return sorted(set(xs))[-2]",
+     ["assert second_largest([1, 3, 2]) == 2", "assert second_largest([5, 5, 4]) == 4"]),
+]
+
+
+def code_samples(split: str, tokenizer) -> list[dict]:
+    """Every fourth problem is held out ("test")."""
+    out = []
+    for i, (signature, what, solution, tests) in enumerate(PROBLEMS):
+        if (i % 4 == 3) == (split == "test"):
+            user = (f"Write a Python function `{signature}` that {what}. Put only the code of the function "
+                    f"in <answer> </answer>.")
+            out.append({"prompt": chat_prompt(tokenizer, user), "answer": solution, "tests": tests})
+    return out
+
+
+def custom_samples(split: str, data: str | None, tokenizer, prompt_key: str, answer_key: str) -> list[dict]:
+    """Records of --data (local files as data_file finds them, else a hub dataset's split): the prompt column
+    through chat_prompt, the answer column as "answer", the other columns kept as they are."""
+    if data is None:
+        raise ValueError("--task custom reads --data: a JSONL or Parquet file, a folder with train/test "
+                         "files, or a hub dataset name")
+    if os.path.exists(data):
+        records = read_records(data_file(data, split))
+    else:   # a hub dataset (needs the internet once; cached by datasets afterwards)
+        import datasets
+        rows = datasets.load_dataset(data, split=split)
+        records = [(f"{data} {split} row {i}", r) for i, r in enumerate(rows, 1)]
+    out = []
+    for where, r in records:
+        for key, flag in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
+            if not isinstance(r, dict) or r.get(key) is None:
+                have = ", ".join(map(repr, r)) if isinstance(r, dict) else type(r).__name__
+                raise ValueError(f"{where}: no {key!r} column ({flag}); this record has {have}")
+        if not isinstance(r[prompt_key], str):
+            raise ValueError(f"{where}: the {prompt_key!r} column must be text, "
+                             f"not {type(r[prompt_key]).__name__}")
+        out.append({**r, "prompt": chat_prompt(tokenizer, r[prompt_key]), "answer": r[answer_key]})
+    return out
+
+
+def load_task(name: str, split: str, *, data: str | None = None, seed: int = 0, tokenizer=None,
+              prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict]:
+    """split is "train" (sampled for GRPO) or "test" (held out, for evaluation only); prompt_key and
+    answer_key name the columns of --task custom."""
     if name == "demo":
         from demo.task import make_samples
         return make_samples(split, seed=seed)
@@ -154,6 +255,7 @@ def load_task(name: str, split: str, *, data: str | None = None, seed: int = 0, 
     if name == "countdown":
         return countdown_samples(split, data, seed, tokenizer)
     if name == "code":
-        import sandbox
-        return sandbox.code_samples(split, tokenizer)
-    raise ValueError(f"unknown task {name!r}: expected one of demo, gsm8k, countdown, code")
+        return code_samples(split, tokenizer)
+    if name == "custom":
+        return custom_samples(split, data, tokenizer, prompt_key, answer_key)
+    raise ValueError(f"unknown task {name!r}: expected one of demo, gsm8k, countdown, code, custom")

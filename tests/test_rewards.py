@@ -68,7 +68,8 @@ def test_gsm8k_last_answer_counts():
 def test_gsm8k_off_main_thread():
     # math-verify's signal.alarm timeout raises off the main thread; the reward must still grade correctly
     out = []
-    th = threading.Thread(target=lambda: out.append(REWARDS["gsm8k"]("<answer>1,000</answer>", {"answer": "1000"})))
+    score_it = lambda: out.append(REWARDS["gsm8k"]("<answer>1,000</answer>", {"answer": "1000"}))
+    th = threading.Thread(target=score_it)
     th.start()
     th.join(30)
     assert out == [1.0]

@@ -1,32 +1,61 @@
-"""The code reward's sandbox (sandbox.py): right answers score, hostile completions are contained and score 0,
-and nothing they do reaches the test process, its files, its environment or its process table."""
+"""The code reward's jail (sandbox.py, real bubblewrap): right answers score, every escape of issue 14 scores
+0 and leaves no file and no process behind, and nothing of the project, the trainer's environment or the
+machine's files is readable inside. Read-only escapes are also run unjailed (GRPO_UNJAILED=1), where they must
+work: that proves each one is a real attack the jail stops, not code that fails for some other reason."""
+import math
 import os
+import secrets
+import subprocess
+import sys
 import time
 
 import psutil
 import pytest
 
+import rewards
 import sandbox
+import tasks
 from demo.tiny_model import build_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ADD = {"tests": ["assert add(1, 2) == 3", "assert add(-5, 5) == 0", "assert add(10, 32) == 42"]}
+CORRECT_ADD = "def add(a, b):\n    return a + b"
+
+
+@pytest.fixture(autouse=True)
+def jailed(monkeypatch):
+    monkeypatch.delenv(sandbox.UNJAILED, raising=False)   # however the tests were started
 
 
 def answer(code):
     return f"<think>.</think><answer>\n```python\n{code}\n```\n</answer>"
 
 
-ADD = {"tests": ["assert add(1, 2) == 3", "assert add(-5, 5) == 0", "assert add(10, 32) == 42"]}
-
-
-def children():
+def descendants():
     return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def lingering(before, marker=None):
+    """Processes the completion left: new descendants of this process, or any process on the machine whose
+    command line names `marker` (a daemon reparented away from us), if given. Waits up to 2 s for them to go:
+    the jail's processes die with bwrap, asynchronously."""
+    deadline = time.monotonic() + 2
+    while True:
+        left = descendants() - before
+        for p in psutil.process_iter(["cmdline"]) if marker else ():
+            if marker in " ".join(p.info["cmdline"] or []):
+                left.add(p.pid)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
 
 
 def test_every_reference_solution_passes_its_tests():
     tok = build_tokenizer()
-    samples = sandbox.code_samples("train", tok) + sandbox.code_samples("test", tok)
-    assert len(samples) == len(sandbox.PROBLEMS) and len(sandbox.code_samples("test", tok)) == 4
+    samples = tasks.load_task("code", "train", tokenizer=tok) + tasks.load_task("code", "test", tokenizer=tok)
+    assert len(samples) == len(tasks.PROBLEMS) and len(tasks.load_task("code", "test", tokenizer=tok)) == 4
     for s in samples:
-        assert sandbox.code_reward(answer(s["answer"]), s) == 1.0, s["answer"]
+        assert rewards.code_reward(answer(s["answer"]), s) == 1.0, s["answer"]
         assert s["prompt"].startswith("<|im_start|>system") and "<answer>" in s["prompt"]
 
 
@@ -39,107 +68,259 @@ def test_split_test():
 
 
 def test_partial_credit_and_no_answer():
-    assert sandbox.code_reward(answer("def add(a, b):\n    return a + b if a < 5 else 0"), ADD) == pytest.approx(2 / 3)
-    assert sandbox.code_reward("<answer>def add(a, b):\n    return a * b + 1</answer>", ADD) == pytest.approx(1 / 3)
-    assert sandbox.code_reward("def add(a, b): return a + b", ADD) == 0.0   # no <answer>
-    assert sandbox.code_reward(answer("def add(a, b) return"), ADD) == 0.0   # a syntax error
-    assert sandbox.code_reward(answer("def add(a, b):\n    return a + b"), {"tests": []}) == 0.0
-    assert sandbox.code_reward(answer("def add(a, b):\n    return a + b"), {"tests": "assert add(1, 2) == 3"}) == 0.0
+    partial = "def add(a, b):\n    return a + b if a < 5 else 0"
+    assert rewards.code_reward(answer(partial), ADD) == pytest.approx(2 / 3)
+    wrong = "<answer>def add(a, b):\n    return a * b + 1</answer>"
+    assert rewards.code_reward(wrong, ADD) == pytest.approx(1 / 3)
+    assert rewards.code_reward("def add(a, b): return a + b", ADD) == 0.0   # no <answer>
+    assert rewards.code_reward(answer("def add(a, b) return"), ADD) == 0.0   # a syntax error
+    assert rewards.code_reward(answer(CORRECT_ADD), {"tests": []}) == 0.0
+    assert rewards.code_reward(answer(CORRECT_ADD), {"tests": "assert add(1, 2) == 3"}) == 0.0
 
 
 def test_ordinary_code_is_not_blocked():
-    code = ("import collections, functools, math, re\nP = collections.namedtuple('P', 'x y')\n"
+    code = ("import collections, functools, math, re, tempfile, threading\n"
+            "P = collections.namedtuple('P', 'x y')\n"
+            "box = []\nt = threading.Thread(target=box.append, args=(0,))\nt.start()\nt.join()\n"
+            "with tempfile.TemporaryFile() as f:\n    f.write(b'scratch')\n"
             "@functools.lru_cache(None)\ndef add(a, b):\n    print('debug', a, b)\n"
-            "    return P(a, b).x + math.floor(b) + len(re.findall('z', ''))")
-    assert sandbox.code_reward(answer(code), ADD) == 1.0
+            "    return P(a, b).x + math.floor(b) + len(re.findall('z', '')) + box[0]")
+    assert rewards.code_reward(answer(code), ADD) == 1.0
+
+
+# --------------------------------------------------------- escapes that read: they work unjailed, not jailed
+
+PATCH_REALPATH = "import posixpath\nposixpath.realpath = lambda p, *a, **k: '/tmp/sandbox/' + str(p)\n"
+# the cheat of issue 14: no implementation at all; it finds the project (the parent's working folder, or where
+# a copy of this repository lives) and runs the reference solutions of tasks.py (sandbox.py held them before)
+UNIVERSAL_CHEAT = PATCH_REALPATH + f"""
+import ast, glob, os
+def _solutions():
+    found = []
+    for folder in [f'/proc/{{os.getppid()}}/cwd', *glob.glob('/proc/*/cwd'), {ROOT!r}, '..', '../..']:
+        for name in ('tasks.py', 'sandbox.py'):
+            try:
+                tree = ast.parse(open(os.path.join(folder, name)).read())
+            except (OSError, SyntaxError, ValueError):
+                continue
+            for node in tree.body:
+                if isinstance(node, ast.Assign) and getattr(node.targets[0], 'id', '') == 'PROBLEMS':
+                    found += [p[2] for p in ast.literal_eval(node.value)]
+    return found
+for _s in _solutions():
+    exec(_s, globals())
+"""
+ENVIRON_PROBE = PATCH_REALPATH + """
+import glob, os
+ESCAPED = None
+for path in [f'/proc/{os.getppid()}/environ', *glob.glob('/proc/*/environ')]:
+    try:
+        for var in open(path, 'rb').read().split(b'\\0'):
+            if var.startswith(b'REF_SERVER_TOKEN='):
+                ESCAPED = var.split(b'=', 1)[1].decode()
+    except OSError:
+        pass
+"""
+DIR_FD_READ = """
+import os
+fd = os.open('.', os.O_RDONLY)
+os.makedirs('a/b/c/d/e/f', exist_ok=True)
+os.chdir('a/b/c/d/e/f')
+ESCAPED = os.read(os.open('../' * 40 + 'etc/passwd', os.O_RDONLY, dir_fd=fd), 1 << 20).decode()
+"""
+
+
+def test_the_universal_cheat_scores_zero():
+    tok = build_tokenizer()
+    samples = tasks.load_task("code", "train", tokenizer=tok) + tasks.load_task("code", "test", tokenizer=tok)
+    assert [rewards.code_reward(answer(UNIVERSAL_CHEAT), s) for s in samples] == [0.0] * len(samples)
+
+
+def test_the_universal_cheat_works_unjailed(monkeypatch):
+    """The cheat is real: without the jail it scores 1.0 on every problem with no implementation at all."""
+    monkeypatch.setenv(sandbox.UNJAILED, "1")
+    tok = build_tokenizer()
+    samples = tasks.load_task("code", "train", tokenizer=tok) + tasks.load_task("code", "test", tokenizer=tok)
+    assert [rewards.code_reward(answer(UNIVERSAL_CHEAT), s) for s in samples] == [1.0] * len(samples)
+
+
+@pytest.fixture
+def trainer_with_a_token():
+    """A process of the machine whose environment holds a secret, as the trainer's holds REF_SERVER_TOKEN."""
+    token = secrets.token_hex(16)
+    proc = subprocess.Popen(["sleep", "60"], env={"REF_SERVER_TOKEN": token})
+    yield token
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.parametrize("unjailed", [False, True])
+def test_reading_outside_the_jail_fails(monkeypatch, trainer_with_a_token, unjailed):
+    """Each probe puts what it read in ESCAPED; the test holds the real value (it never enters the jail), so a
+    probe scores 1 exactly when it read it. Unjailed they all do; jailed none does."""
+    if unjailed:
+        monkeypatch.setenv(sandbox.UNJAILED, "1")
+    # in this process's os.environ too: the child gets none of it
+    monkeypatch.setenv("REF_SERVER_TOKEN", trainer_with_a_token)
+    passwd, project_file = open("/etc/passwd").read(), os.path.join(ROOT, "tasks.py")
+    probes = {"/etc/passwd through a patched realpath":
+              (PATCH_REALPATH + "ESCAPED = open('/etc/passwd').read()", passwd),
+              "/proc/<ppid>/environ and every other process's": (ENVIRON_PROBE, trainer_with_a_token),
+              "dir_fd traversal": (DIR_FD_READ, passwd),
+              "the project's own files":
+              (f"ESCAPED = open({project_file!r}).read()", open(project_file).read()),
+              "the environment":
+              ("import os\nESCAPED = os.environ.get('REF_SERVER_TOKEN')", trainer_with_a_token)}
+    scores = {name: sandbox.run_tests(code, [f"assert ESCAPED == {want!r}"])
+              for name, (code, want) in probes.items()}
+    # unjailed, the child's environment is still empty: only the four probes of the file system succeed
+    assert scores == {name: int(unjailed and name != "the environment") for name in probes}
+
+
+# ------------------------------------------------ escapes that write or spawn: jailed only, checked by events
+
+WRITE_OUTSIDE = """
+import os, shutil
+up = '../' * 40 + TARGET.lstrip('/')
+for attempt in (lambda: open(TARGET, 'w').write('x'), lambda: os.remove(VICTIM),
+                lambda: os.rename(VICTIM, 'stolen'), lambda: open(VICTIM, 'a').write('x'),
+                lambda: shutil.copy('/proc/self/cmdline', TARGET),
+                lambda: os.open(up, os.O_WRONLY | os.O_CREAT, dir_fd=os.open('.', os.O_RDONLY)),
+                lambda: open(os.__file__, 'a').write('x')):
+    try:
+        attempt()
+    except OSError:
+        pass
+"""
+GC_HOOK_PATCH = """
+import gc, os, sys
+for obj in gc.get_objects():   # the audit hook of before: lift its ban through its closure cells
+    if callable(obj) and getattr(obj, '__name__', '') == 'hook' and getattr(obj, '__closure__', None):
+        for cell in obj.__closure__:
+            if isinstance(cell.cell_contents, tuple):
+                cell.cell_contents = ()
+if os.system('touch MARKER') == 0:
+    def add(a, b):
+        return a + b
+"""
+BACKGROUND_SHELL = """
+import os, subprocess
+ok = os.system("setsid sh -c 'sleep 20; touch MARKER' >/dev/null 2>&1 &") == 0
+try:
+    subprocess.Popen(['sh', '-c', 'sleep 20; touch MARKER'], start_new_session=True)
+except OSError:
+    ok = False
+if ok:
+    def add(a, b):
+        return a + b
+"""
+
+
+def test_writing_outside_the_working_folder_changes_nothing(tmp_path):
+    target, victim = tmp_path / "written.txt", tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    code = f"TARGET, VICTIM = {str(target)!r}, {str(victim)!r}\n" + WRITE_OUTSIDE + (
+        "open('inside.txt', 'w').write('fine')\nINSIDE = open('inside.txt').read()")
+    assert sandbox.run_tests(code, ["assert INSIDE == 'fine'"]) == 1   # its own folder works
+    assert not target.exists() and victim.read_text() == "keep me" and os.listdir(tmp_path) == ["victim.txt"]
 
 
 @pytest.mark.parametrize("name,code", [
+    ("gc-based hook patching then os.system", GC_HOOK_PATCH),
+    ("setsid'd background shell that writes a file 20 s later", BACKGROUND_SHELL),
     ("infinite loop", "def add(a, b):\n    while True:\n        pass"),
     ("infinite loop at import", "while True:\n    pass"),
     ("fork bomb", "import os\nwhile True:\n    os.fork()"),
+    ("thread bomb", "import threading, time\nwhile True:\n"
+                    "    threading.Thread(target=time.sleep, args=(60,)).start()"),
+    ("memory bomb", "x = bytearray(8 << 30)\ndef add(a, b):\n    return a + b + len(x)"),
+    ("slow memory bomb", "x = []\nwhile True:\n    x.append(bytearray(1 << 20))"),
+    ("disk bomb", "for i in range(10 ** 6):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))"),
     ("subprocess", "import subprocess\nsubprocess.run(['sh', '-c', 'touch MARKER; sleep 100'])"),
-    ("_posixsubprocess", "import _posixsubprocess, os\nr, w = os.pipe()\n"   # (CPython 3.11's signature)
-                         "_posixsubprocess.fork_exec([b'/bin/sh', b'-c', b'touch MARKER; sleep 100'], [b'/bin/sh'], "
-                         "True, (w,), None, None, -1, -1, -1, -1, -1, -1, r, w, True, True, -1, None, None, -1, -1, "
-                         "None, True)"),
+    ("ctypes", "import ctypes\nctypes.CDLL(None).system(b'touch MARKER')"),
     ("sub-interpreter", "import _xxsubinterpreters as s\n"
                         "s.run_string(s.create(), \"import os; os.system('touch MARKER')\")"),
-    ("ctypes", "import ctypes\nctypes.CDLL(None).system(b'touch MARKER')"),
-    ("huge allocation", "x = bytearray(8 << 30)\ndef add(a, b):\n    return a + b + len(x)"),
-    ("kill the parent", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)"),
-    ("kill the parent through a pidfd", "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(os.getppid()), 9)"),
+    ("kill the test process", f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)"),
+    ("kill the parent through a pidfd",
+     "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(os.getppid()), 9)"),
     ("early exit", "import sys\nsys.exit(0)"),
     ("fake results", "for i in range(10):\n    print(f'ok {i}')\n    print(i)\nimport os\nos._exit(0)"),
     ("socket", "import socket\nsocket.create_connection(('127.0.0.1', 22))"),
     ("always equal", "class Yes:\n    __eq__ = __bool__ = lambda *a: True\ndef add(a, b):\n    return Yes()"),
-    ("patched builtins", "import builtins, json\nbuiltins.exec = builtins.eval = json.dumps = lambda *a, **k: 'true'"),
+    ("patched builtins",
+     "import builtins, json\nbuiltins.exec = builtins.eval = json.dumps = lambda *a, **k: 'true'"),
 ])
-def test_hostile_completions_are_contained_and_score_zero(name, code, tmp_path):
-    marker = tmp_path / "pwned"
-    before, t0 = children(), time.time()   # (other tests' servers may be running: only new ones count)
-    assert sandbox.code_reward(answer(code.replace("MARKER", str(marker))), ADD) == 0.0
-    assert time.time() - t0 < 10   # the 5 s wall-clock limit, plus start-up
-    time.sleep(0.2)
-    assert not children() - before and not marker.exists()
+def test_hostile_completions_score_zero_and_leave_nothing(name, code, tmp_path):
+    marker = tmp_path / f"pwned-{secrets.token_hex(4)}"   # a name no other process on the machine mentions
+    before = descendants()   # (other tests' servers may be running: only new ones count)
+    assert rewards.code_reward(answer(code.replace("MARKER", str(marker))), ADD) == 0.0
+    assert not lingering(before, marker.name)
+    assert not marker.exists()
+
+
+def test_the_kernel_refuses_new_processes_and_sysv_memory():
+    """The events behind the fork and shell cases (seccomp refuses them, as root too), and SysV shared memory,
+    which would hold memory beyond RLIMIT_AS until the jail ends: each one fails with EPERM. And the resource
+    limits hold: root inside the jail has no capability to raise them."""
+    code = ("import ctypes, os, subprocess\nR = []\nfor f in (os.fork, lambda: subprocess.run(['true'])):\n"
+            "    try:\n        f()\n        R.append('started')\n"
+            "    except OSError as e:\n        R.append(e.errno)\n"
+            "R.append(os.system('true'))\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            # IPC_PRIVATE, 256 MiB, IPC_CREAT | 0600
+            "R.append((libc.shmget(0, 1 << 28, 0o1600), ctypes.get_errno()))\n"
+            "t = __import__('threading').Thread(target=R.append, args=('thread',))\nt.start()\nt.join()\n"
+            "import resource\ntry:\n    resource.setrlimit(resource.RLIMIT_CPU, (100, 100))\n"
+            "except ValueError:\n    R.append('limit kept')")
+    # EPERM twice; system(3) answers exit status 127 (32512 as a wait status): its shell never started; shmget
+    # -1 with EPERM; threads still work; the prologue's limits cannot be raised
+    assert sandbox.run_tests(code, ["assert R == [1, 1, 32512, [-1, 1], 'thread', 'limit kept']"]) == 1
 
 
 @pytest.mark.parametrize("code,limit", [
-    ("import time\nwhile True:\n    time.sleep(1)", 3),   # no CPU used: only the wall clock (1 s here) stops it
-    ("while True:\n    print('x' * 10000)", 0.9),           # stopped at 1 MiB of output, long before the timeout
+    ("import time\nwhile True:\n    time.sleep(1)", 3),   # no CPU used: only the wall clock (1 s) stops it
+    ("while True:\n    print('x' * 10000)", 0.9),           # stopped at 1 MiB of output, before the timeout
 ])
 def test_sleeping_and_flooding_completions_are_cut_short(code, limit):
-    before, t0 = children(), time.time()
+    before, t0 = descendants(), time.time()
     assert sandbox.run_tests(code, ADD["tests"], timeout_s=1) == 0
-    assert time.time() - t0 < limit and not children() - before
+    assert time.time() - t0 < limit and not lingering(before)
 
 
 def test_forged_results_need_the_right_values():
-    # in-process code can find the nonce (here in the harness's frame) and write result lines itself; they count
-    # only if they hold the right values, which the child never sees, and not at all next to the harness's own
+    # in-process code can find the nonce (here in the prologue's frame) and write result lines itself; they
+    # count only if they hold the right values, which the child never sees, and not at all next to the
+    # harness's own
     forge = ("import os, sys\ndef add(a, b):\n    nonce = sys._getframe(2).f_locals['nonce']\n"
-             "    for i, v in enumerate(VALUES):\n        os.write(1, f'\\n{nonce} {i} {v}\\n'.encode())\n    END")
-    assert sandbox.run_tests(forge.replace("VALUES", "[3, 0, 42]").replace("END", "os._exit(0)"), ADD["tests"]) == 3
-    assert sandbox.run_tests(forge.replace("VALUES", "['true'] * 3").replace("END", "os._exit(0)"), ADD["tests"]) == 0
-    assert sandbox.run_tests(forge.replace("VALUES", "[3, 0, 42]").replace("END", "return a + b"), ADD["tests"]) == 0
+             "    for i, v in enumerate(VALUES):\n        os.write(1, f'\\n{nonce} {i} {v}\\n'.encode())\n"
+             "    END")
+    forged = lambda values, end: sandbox.run_tests(forge.replace("VALUES", values).replace("END", end),
+                                                   ADD["tests"])
+    assert forged("[3, 0, 42]", "os._exit(0)") == 3
+    assert forged("['true'] * 3", "os._exit(0)") == 0
+    assert forged("[3, 0, 42]", "return a + b") == 0
 
 
-def test_the_environment_is_not_inherited(monkeypatch):
-    monkeypatch.setenv("REF_SERVER_TOKEN", "top-secret")
-    probe = "import os\nSEEN = 'top-secret' in str(os.environ)"
-    assert sandbox.run_tests(probe, ["assert not SEEN"]) == 1 and sandbox.run_tests(probe, ["assert SEEN"]) == 0
-    # nor through /proc: the parent's environment file is outside the sandbox
-    probe = f"SEEN = 'top-secret' in open('/proc/{os.getpid()}/environ').read()"
-    assert sandbox.run_tests(probe, ["assert 'SEEN' not in globals()"]) == 1
+def test_the_jail_holds_only_the_python_installation():
+    code = ("import os\nROOT = sorted(os.listdir('/'))\n"
+            "PROCS = sorted(p for p in os.listdir('/proc') if p.isdigit())")
+    # bwrap's init and the child: no other process
+    assert sandbox.run_tests(code, ["assert PROCS == ['1', '2']"]) == 1
+    libs = {d for d in ("lib", "lib64", "lib32") if os.path.exists("/" + d)}
+    top = sorted({"dev", "proc", "tmp", "usr", os.path.realpath(sys.base_prefix).split(os.sep)[1]} | libs)
+    assert sandbox.run_tests(code, [f"assert ROOT == {top!r}"]) == 1
 
 
-@pytest.mark.parametrize("attempt", [
-    "open('../args.json')",                                 # what the harness was sent: the nonce, the expressions
-    "os.listdir('/')",
-    "os.open(sys.prefix, os.O_RDONLY)",                  # a standard-library folder: its fd, as dir_fd=, would escape
-    "os.open(os.path.join(sys.prefix, 'no-such-file'), os.O_RDONLY | os.O_TRUNC)",   # O_TRUNC truncates, read or not
-    "open(S('/etc/hostname'))",               # S: a str whose methods show realpath() a path inside the sandbox
-    "os.symlink('/', 'root')",
-    "os.mknod('null', stat.S_IFCHR | 0o666, os.makedev(1, 3)) or open('null', 'w')",   # a device in its directory
-    "resource.prlimit(os.getppid(), resource.RLIMIT_NOFILE)",
-    "resource.setrlimit(resource.RLIMIT_CPU, (100, 100))",                   # root could raise its own limits
-])
-def test_the_audit_hook_refuses(attempt):
-    probe = (f"import os, resource, stat, sys\n"
-             f"S = type('S', (str,), {{'startswith': lambda *a: False, 'partition': lambda *a: ('x', '', '')}})\n"
-             f"try:\n    {attempt}\n    R = 'allowed'\nexcept Exception as e:\n    R = type(e).__name__")
-    assert sandbox.run_tests(probe, ["assert R == 'PermissionError'"]) == 1
-
-
-def test_files_outside_the_temporary_directory_are_untouched(tmp_path):
-    target, victim = tmp_path / "written.txt", tmp_path / "victim.txt"
-    victim.write_text("keep me")
-    code = (f"import os, shutil\n"
-            f"for attempt in (lambda: open({str(target)!r}, 'w').write('x'),\n"
-            f"                lambda: os.remove({str(victim)!r}),\n"
-            f"                lambda: os.rename({str(victim)!r}, 'stolen'),\n"
-            f"                lambda: open({str(victim)!r}, 'a').write('x')):\n"
-            f"    try:\n        attempt()\n    except PermissionError:\n        pass\n"
-            f"open('inside.txt', 'w').write('fine')\nINSIDE = open('inside.txt').read()")
-    assert sandbox.run_tests(code, ["assert INSIDE == 'fine'"]) == 1   # its own directory works
-    assert not target.exists() and victim.read_text() == "keep me"
+def test_without_bwrap_the_code_reward_refuses_to_start(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))   # a PATH with no bwrap on it
+    with pytest.raises(ValueError, match=r"reward 'code'.*apt-get install bubblewrap.*GRPO_UNJAILED=1"):
+        rewards.parse_reward_spec("code,format:0.1")
+    assert rewards.parse_reward_spec("format") == [("format", 1.0)]   # other rewards do not need it
+    # should the jail fail during a run, the reward is nan, which score() counts as an error, not a silent 0
+    total, parts, errors = rewards.score(answer(CORRECT_ADD), ADD, [("code", 1.0)])
+    assert (total, parts, errors) == (0.0, {"code": 0.0}, 1)
+    assert math.isnan(rewards.code_reward(answer(CORRECT_ADD), ADD))
+    monkeypatch.setenv(sandbox.UNJAILED, "1")   # knowingly: it runs, and says so
+    assert rewards.parse_reward_spec("code") == [("code", 1.0)]
+    assert "WITHOUT a jail" in capsys.readouterr().err
+    assert rewards.code_reward(answer(CORRECT_ADD), ADD) == 1.0

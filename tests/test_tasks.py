@@ -27,8 +27,9 @@ def test_gsm8k_from_a_local_folder_or_file_through_the_chat_template(tmp_path):
     write_jsonl(tmp_path / "test.jsonl", GSM[:1])
     samples = tasks.load_task("gsm8k", "train", data=str(tmp_path), tokenizer=TOK)
     assert [s["answer"] for s in samples] == ["7", "2400"]   # after the last ####, commas dropped
-    assert samples[0]["prompt"] == ("<|im_start|>system\n" + tasks.SYSTEM_PROMPT + "<|im_end|>\n<|im_start|>user\n"
-                                    + GSM[0]["question"] + "<|im_end|>\n<|im_start|>assistant\n")
+    assert samples[0]["prompt"] == ("<|im_start|>system\n" + tasks.SYSTEM_PROMPT
+                                    + "<|im_end|>\n<|im_start|>user\n" + GSM[0]["question"]
+                                    + "<|im_end|>\n<|im_start|>assistant\n")
     # one file: the other split is found by swapping train/test in its name
     assert len(tasks.load_task("gsm8k", "test", data=str(tmp_path / "train.jsonl"), tokenizer=TOK)) == 1
     assert rewards.gsm8k_reward("<think>x</think><answer>2400</answer>", samples[1]) == 1.0
@@ -41,8 +42,10 @@ def test_gsm8k_bad_data_is_a_clear_error(tmp_path):
     (tmp_path / "test.jsonl").write_text(json.dumps(GSM[0]) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"test.jsonl:2: not a JSON line"):
         tasks.load_task("gsm8k", "test", data=str(tmp_path), tokenizer=TOK)
-    (tmp_path / "test.jsonl").write_text(json.dumps(GSM[0]) + "\n\n" + json.dumps({"question": "q", "answer": "5"}))
-    with pytest.raises(ValueError, match=r"test.jsonl:3: a GSM8K record needs"):   # the line, blank lines counted
+    (tmp_path / "test.jsonl").write_text(json.dumps(GSM[0]) + "\n\n"
+                                         + json.dumps({"question": "q", "answer": "5"}))
+    # the line, blank lines counted
+    with pytest.raises(ValueError, match=r"test.jsonl:3: a GSM8K record needs"):
         tasks.load_task("gsm8k", "test", data=str(tmp_path), tokenizer=TOK)
     with pytest.raises(ValueError, match="must contain 'train' or 'test'"):
         tasks.load_task("gsm8k", "test", data=str(tmp_path / "other.jsonl"), tokenizer=TOK)
@@ -97,7 +100,8 @@ def test_countdown_from_a_file(tmp_path):
     assert s["answer"] == 22 and "[3, 5, 7]" in s["prompt"] and "22" in s["prompt"]
     assert s["prompt"].startswith("<|im_start|>system\n" + tasks.SYSTEM_PROMPT)
     assert rewards.countdown_reward("<answer>3 * 5 + 7</answer>", s) == 1.0
-    for bad in [{"numbers": [3, 5, 7]}, {"numbers": [3, 5, 7], "target": 22.0}, {"numbers": "3 5 7", "target": 22},
+    for bad in [{"numbers": [3, 5, 7]}, {"numbers": [3, 5, 7], "target": 22.0},
+                {"numbers": "3 5 7", "target": 22},
                 {"numbers": [3, "5", 7], "target": 22}, {"numbers": [], "target": 22}, [3, 5, 7]]:
         write_jsonl(tmp_path / "countdown_train.jsonl", [{"numbers": [1, 2, 3], "target": 6}, bad])
         with pytest.raises(ValueError, match=r"countdown_train.jsonl:2: a Countdown record needs"):
@@ -131,7 +135,8 @@ def test_countdown_checker(answer, expected):
 def test_countdown_checker_refuses_powers_even_when_right():
     sample = {"numbers": [2, 3, 7], "answer": 15}
     assert rewards.countdown_reward("<answer>2 ** 3 + 7</answer>", sample) == 0.0
-    assert rewards.countdown_reward("<answer>2 * 3 + 7 + 2</answer>", {**sample, "numbers": [2, 2, 3, 7]}) == 1.0
+    four = {**sample, "numbers": [2, 2, 3, 7]}
+    assert rewards.countdown_reward("<answer>2 * 3 + 7 + 2</answer>", four) == 1.0
 
 
 def test_countdown_checker_never_raises():
@@ -146,3 +151,60 @@ def test_long_prompts_are_skipped_and_counted_never_truncated():
     samples = [{"prompt": "x" * n, "answer": "1"} for n in (3, 10, 4, 5, 11)]   # one token per character
     kept, skipped = tasks.drop_long_prompts(samples, TOK, max_len=4)
     assert kept == [samples[0], samples[2]] and skipped == 3   # untouched, not truncated
+
+
+# ------------------------------------------------------------------------ --task custom: the user's own data
+
+MINE = [{"prompt": "What is 6 times 7?", "answer": "42", "source": "mine"},
+        {"prompt": "Name the capital of France.", "answer": "Paris", "source": "mine"}]
+
+
+def test_custom_task_from_a_folder_through_the_chat_template(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", MINE)
+    write_jsonl(tmp_path / "test.jsonl", MINE[:1])
+    train = tasks.load_task("custom", "train", data=str(tmp_path), tokenizer=TOK)
+    assert train[0]["prompt"] == ("<|im_start|>system\n" + tasks.SYSTEM_PROMPT
+                                  + "<|im_end|>\n<|im_start|>user\n" + MINE[0]["prompt"]
+                                  + "<|im_end|>\n<|im_start|>assistant\n")
+    assert [(s["answer"], s["source"]) for s in train] == [("42", "mine"), ("Paris", "mine")]   # columns kept
+    assert len(tasks.load_task("custom", "test", data=str(tmp_path), tokenizer=TOK)) == 1
+    spec = rewards.parse_reward_spec("demo,format:0.5")   # any reward of rewards.py scores it
+    assert rewards.score("<think>6*7</think><answer>42</answer>", train[0], spec)[0] == 1.5
+    assert rewards.score("<think>hm</think><answer>Lyon</answer>", train[1], spec)[0] == 0.5
+
+
+def test_custom_task_with_other_column_names_parquet_and_no_chat_template(tmp_path):
+    import datasets
+    rows = [{"question": r["prompt"], "solution": r["answer"]} for r in MINE]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "my_train.parquet"))
+    tok = build_tokenizer()
+    tok.chat_template = None   # a base model's tokenizer: plain text
+    (s, _) = tasks.load_task("custom", "train", data=str(tmp_path / "my_train.parquet"), tokenizer=tok,
+                             prompt_key="question", answer_key="solution")
+    assert s["prompt"] == tasks.SYSTEM_PROMPT + "\n\n" + MINE[0]["prompt"] + "\n\n" and s["answer"] == "42"
+    assert rewards.gsm8k_reward("<think>.</think><answer>42</answer>", s) == 1.0
+
+
+def test_custom_task_scored_by_the_code_reward(tmp_path):
+    # a "tests" column travels with the sample to the code reward, which runs the completion in its jail
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": "Write double(x).", "answer": "",
+                                            "tests": ["assert double(2) == 4", "assert double(-1) == -2"]}])
+    (s,) = tasks.load_task("custom", "train", data=str(tmp_path / "train.jsonl"), tokenizer=TOK)
+    assert rewards.code_reward("<answer>def double(x):\n    return 2 * x</answer>", s) == 1.0
+    assert rewards.code_reward("<answer>def double(x):\n    return 4</answer>", s) == 0.5
+
+
+def test_custom_task_errors_name_the_file_and_the_column(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [MINE[0], {"question": "q", "answer": "a"}])
+    with pytest.raises(ValueError, match=r"train.jsonl:2: no 'prompt' column \(prompt_key\); this record has "
+                                         r"'question', 'answer'"):
+        tasks.load_task("custom", "train", data=str(tmp_path), tokenizer=TOK)
+    with pytest.raises(ValueError, match=r"train.jsonl:1: no 'label' column \(answer_key\)"):
+        tasks.load_task("custom", "train", data=str(tmp_path), tokenizer=TOK, answer_key="label")
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": [{"role": "user", "content": "hi"}], "answer": "a"}])
+    with pytest.raises(ValueError, match=r"train.jsonl:1: the 'prompt' column must be text, not list"):
+        tasks.load_task("custom", "train", data=str(tmp_path), tokenizer=TOK)
+    with pytest.raises(ValueError, match="--task custom reads --data"):
+        tasks.load_task("custom", "train", tokenizer=TOK)
+    with pytest.raises(ValueError, match="unknown task 'nope'.*custom"):
+        tasks.load_task("nope", "train", tokenizer=TOK)
