@@ -49,10 +49,12 @@ def weight_group(store, rank, device):
 def send_weights(group, tensors, check_alive):
     """Rank 0's side of a weight push: broadcast every tensor, in order, calling check_alive (which raises
     if the generation process is gone) while waiting, so a receiver that died never hangs the trainer."""
-    for work in [group.broadcast(t, 0) for t in tensors]:
-        while not work.is_completed():
-            check_alive()
-            time.sleep(0.005)
+    works = [group.broadcast(t, 0) for t in tensors]
+    # the receiver takes the tensors one at a time, in order: the last one received means all were
+    while not works[-1].is_completed():
+        check_alive()
+        time.sleep(0.002)
+    for work in works:
         work.wait()
 
 

@@ -148,7 +148,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, e
         loss, count = (token_loss.sum(1) / mask.sum(1).clamp(min=1)).mean(), len(logps)
     elif agg == "token-mean":
         loss, count = token_loss.sum() / n_tokens.clamp(min=1), n_tokens.item()
-    else:   # seq-mean-token-sum-norm: a constant normaliser
+    else:
         loss, count = token_loss.sum() / (len(logps) * max_len), len(logps)
     # the min picks the clipped term: below the clip for A < 0, above it for A > 0
     with torch.no_grad():

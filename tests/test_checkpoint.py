@@ -66,3 +66,28 @@ def test_resume_restores_model_and_optimizer_exactly(tmp_path, tiny_model):
     fresh, _ = run("weights-only", str(tmp_path / "step_2"), tmp_path, 29652)
     assert max((fresh[k] - first[k]).abs().max().item() for k in first) > 1e-4
     assert (tmp_path / "latest").read_text() == "step_3" and not (tmp_path / "step_3.tmp").exists()
+
+
+def test_pruning_keeps_the_newest_and_the_reference_and_leaves_later_ones(tmp_path):
+    """--keep-checkpoints 2 after saving step 50: step 40 and 50 stay, and step 10, which the reference
+    server serves; step 60, left by a run that was resumed from step 40, stays until its save replaces it."""
+    from checkpoints import prune_checkpoints
+    for n in (10, 20, 30, 40, 50, 60):
+        (tmp_path / f"step_{n}").mkdir()
+    (tmp_path / "step_70.tmp").mkdir()
+    prune_checkpoints(str(tmp_path), 50, keep=2, ref=str(tmp_path / "step_10"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "step_40", "step_50", "step_60",
+                                                          "step_70.tmp"]
+    prune_checkpoints(str(tmp_path), 60, keep=1, ref=None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_60", "step_70.tmp"]
+
+
+def test_dtypes_bf16_only_where_native_and_vllm_serves_the_trainers():
+    """Pre-Ampere GPUs emulate bf16: the trainer then trains in fp32, and vLLM is told fp32 too (its "auto"
+    would pick fp16 there)."""
+    from generation import vllm_dtype
+    from run_setup import training_dtype
+    assert training_dtype(cuda=True, bf16_native=True) == torch.bfloat16
+    assert training_dtype(cuda=True, bf16_native=False) == torch.float32
+    assert training_dtype(cuda=False, bf16_native=False) == torch.float32
+    assert [vllm_dtype(d) for d in (torch.bfloat16, torch.float32)] == ["bfloat16", "float32"]
