@@ -48,6 +48,9 @@ from safetensors.torch import load as st_load, save as st_save
 REQUEST_KEYS = ("input_ids", "seq_lens", "prompt_lens")
 # below this, logits / T overflow float32 (1e-45 gave -inf, 1e-300 NaN); samplers treat T < 1e-3 as greedy
 MIN_TEMPERATURE = 1e-3
+# the config fields that make two checkpoints the same network (dtype, use_cache, paths differ harmlessly)
+ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads")
 
 
 class WireError(ValueError):
@@ -314,13 +317,10 @@ def model_fingerprint(model, samples=64) -> str:
 
     Per tensor (in name order): its name, shape and `samples` values taken at an even stride through it, so
     any checkpoint that differs from another in more than a few values is told apart at the cost of a few
-    thousand numbers. Only architecture fields of the config are hashed (dtype, use_cache, paths differ
-    harmlessly), and the values are rounded to bfloat16 so a float32 and a bfloat16 copy agree. The trainer
-    calls it on the policy before its first update (the policy starts as the reference)."""
-    c = model.config
-    arch = {k: getattr(c, k, None) for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
-                                             "num_hidden_layers", "num_attention_heads",
-                                             "num_key_value_heads")}
+    thousand numbers. Of the config only ARCH_KEYS are hashed, and the values are rounded to bfloat16 so a
+    float32 and a bfloat16 copy agree. The trainer calls it on the policy before its first update (the policy
+    starts as the reference)."""
+    arch = {k: getattr(model.config, k, None) for k in ARCH_KEYS}
     h = hashlib.sha256(json.dumps(arch, sort_keys=True).encode())
     picked = []
     for name, w in sorted(model.state_dict().items()):
@@ -430,9 +430,10 @@ def _read_json(path, what):
     return data
 
 
-def checkpoint_files(path, root) -> tuple[str, list[str]]:
+def checkpoint_files(path, root, served_config) -> tuple[str, list[str]]:
     """The folder and every file /reload will read from it (config.json, generation_config.json, the
-    safetensors index and its shards, or model.safetensors), each resolved and checked to be under `root`.
+    safetensors index and its shards, or model.safetensors), each resolved and checked to be under `root`;
+    its config must describe the served architecture (`served_config`: a config's to_dict()).
     Raises WireError: 400 bad path, 403 outside, 422 not a checkpoint we load."""
     if "\0" in path:  # os.path.realpath raises on it
         raise WireError("the path holds a NUL byte")
@@ -441,9 +442,13 @@ def checkpoint_files(path, root) -> tuple[str, list[str]]:
         raise WireError(f"{path!r} is not a checkpoint folder (no config.json)")
     files = [_inside(os.path.join(folder, name), root) for name in ("config.json", "generation_config.json")
              if os.path.lexists(os.path.join(folder, name))]  # transformers 5.19 reads both when present
-    if "auto_map" in _read_json(files[0], "config.json"):
+    config = _read_json(files[0], "config.json")
+    if "auto_map" in config:
         raise WireError("config.json names custom code (auto_map): the server never runs a checkpoint's code",
                         422)
+    other = {k: config.get(k) for k in ARCH_KEYS if config.get(k) != served_config.get(k)}
+    if other:
+        raise WireError(f"config.json describes another architecture than the served model's: {other}", 422)
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.lexists(index):
         files.append(_inside(index, root))
@@ -557,11 +562,19 @@ def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, max_
             bottle.abort(400, 'expected a JSON body {"path": "..."}')
         with lock:
             try:
-                folder, files = checkpoint_files(path, os.path.realpath(checkpoint_dir))
+                folder, files = checkpoint_files(path, os.path.realpath(checkpoint_dir),
+                                                 served["model"].config.to_dict())
                 check_weights(files, served["model"])
             except WireError as e:
                 bottle.abort(e.status, str(e))
-            new = load(folder)
+            try:
+                new = load(folder)
+            except torch.OutOfMemoryError:
+                raise  # the server's own limit: a 500
+            except Exception as e:  # the same code loaded the served model, so the checkpoint is at fault:
+                # transformers 5.19 raises KeyError (hidden_act "nope"), ValueError, huggingface_hub's errors...
+                first_line = str(e).partition("\n")[0][:300]
+                bottle.abort(422, f"{path!r} could not be loaded: {type(e).__name__}: {first_line}")
             served["model"] = new  # the previous model's last reference: freed here
             health.update(model=folder, fingerprint=model_fingerprint(new))
         return health

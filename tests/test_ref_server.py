@@ -461,6 +461,11 @@ def bad_checkpoints(ckpts, good, outside):
         ("config-not-json", variant("notjson", config="{not json"), 422, "config.json is not readable JSON"),
         ("config-not-utf8", variant("notutf8", config=b'{"a": "\xff"}'), 422, "config.json is not readable JSON"),
         ("config-a-list", variant("configlist", config="[]"), 422, "not a JSON object"),
+        ("config-other-architecture", variant("otherarch", config=json.dumps(
+            {**json.loads((good / "config.json").read_text()), "intermediate_size": 999})), 422,
+         "another architecture than the served model's: {'intermediate_size': 999}"),
+        ("config-unknown-activation", variant("badact", config=json.dumps(
+            {**json.loads((good / "config.json").read_text()), "hidden_act": "nope"})), 422, "could not be loaded"),
         ("index-no-map", variant("nomap", drop=["model.safetensors"],
                                  files={"model.safetensors.index.json": b'{"weight_map": []}'}), 422, "weight_map"),
         ("index-missing-shard", variant("noshard", drop=["model.safetensors"], files={
