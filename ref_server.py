@@ -170,8 +170,10 @@ _limits = {}  # url -> the server's limits from its /health, read on the first r
 
 
 def _session() -> requests.Session:
-    """This thread's persistent Session (requests 2.34: a Session is not documented as thread-safe). It saves
-    building a Session and a connection pool on every request, as requests.post does."""
+    """This thread's persistent Session (requests 2.34: a Session is not documented as thread-safe), so a
+    server that keeps connections open is not connected to anew for every request. This one (wsgiref) answers
+    HTTP/1.0 and closes each connection, so here it saves only building a Session per request: measured, the
+    smallest request's round trip stays at about 3 ms either way."""
     if not hasattr(_local, "session"):
         _local.session = requests.Session()
     return _local.session
@@ -332,9 +334,9 @@ def model_fingerprint(model, samples=64) -> str:
 
 
 def default_dtype(device) -> str:
-    """float32 on CPU; on CUDA bfloat16 only where the GPU computes in it natively (Ampere and later):
-    torch.cuda.is_bf16_supported() alone (torch 2.13) also counts emulation, and the trainer, which picks the
-    same way, would then disagree with vLLM."""
+    """float32 on CPU; on CUDA bfloat16 only where the GPU computes in it natively (Ampere and later), else
+    float32. torch.cuda.is_bf16_supported() alone (torch 2.13) also counts emulation, which on older GPUs is
+    slow and where vLLM's "auto" picks float16; the trainer is to pick the same way (issue 15)."""
     cuda = str(device).startswith("cuda")
     return "bfloat16" if cuda and torch.cuda.is_bf16_supported(including_emulation=False) else "float32"
 
