@@ -2,25 +2,29 @@
 
     python ref_server.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda:0 --port 59875
 
-GET  /health -> {"status": "ok", "model", "vocab_size", "fingerprint"}
+GET  /health -> {"status": "ok", "model", "vocab_size", "fingerprint", "max_seqs", "max_tokens",
+                 "max_seq_len", "max_body"}: the limits let a client split a batch to fit (ref_logps does)
 POST /logps  -> body and answer in the wire format below (application/octet-stream)
 POST /reload -> {"path": "..."}: load that HF checkpoint folder (under --checkpoint-dir) as the reference;
                 needs a token; weights never cross the wire (grpo_train.py --ref-sync-every)
 
 Wire format (tested with safetensors 0.8.0): a safetensors buffer, i.e. an 8-byte little-endian header
 length, a JSON header (dtype, shape, byte offsets, str->str metadata) and raw little-endian tensor bytes, so
-only plain numbers cross the wire. Request: int32 `input_ids` (every sequence's prompt+completion, concatenated), int32
-`seq_lens` (B,) and int32 `prompt_lens` (B,), metadata {"temperature": "1.0"}. Answer: float32 `logps`, each
-sequence's completion-token log-probs concatenated.
+only plain numbers cross the wire. Request: int32 `input_ids` (every sequence's prompt+completion,
+concatenated), int32 `seq_lens` (B,) and int32 `prompt_lens` (B,), metadata {"temperature": "1.0"}. Answer:
+float32 `logps`, each sequence's completion-token log-probs concatenated.
 
-Status codes: 400 malformed request or Content-Length; 401 missing/wrong token (only with --token); 403
-/reload off or a path outside --checkpoint-dir; 404 unknown path; 405 wrong method; 411 no Content-Length;
-413 body over --max-body-mb, or more than --max-seqs sequences or --max-tokens tokens (split the batch); 500
-server bug. Every error body is {"error": "..."}. A --host other than loopback needs a token (--token or
-$REF_SERVER_TOKEN), or --insecure.
+Status codes: 400 malformed request, Content-Length or path, or a temperature below 1e-3; 401 missing/wrong
+token (only with --token); 403 /reload off, or a folder or any file it would read outside --checkpoint-dir;
+404 unknown path; 405 wrong method; 411 no Content-Length; 413 body over --max-body-mb, more than --max-seqs
+sequences or --max-tokens tokens (split the batch), or a sequence longer than the model's context; 422 a
+/reload folder that is not a complete safetensors checkpoint of the served architecture; 500 the server's own
+fault (a bug, or a model whose log-probs are not finite). Every error body is {"error": "..."}. A --host
+other than loopback needs a token (--token or $REF_SERVER_TOKEN), or --insecure.
 
-This module is imported by the trainer for the wire helpers and the client (ref_logps), so importing it
-must stay cheap: no model, no server, no grpo_train import at the top.
+This file imports no other file of the project: copy it alone to the reference machine. The trainer imports
+it for the client (ref_logps, reload_reference, wait_for_server) and model_fingerprint, so importing it must
+stay cheap: no transformers, no model, no server at the top.
 """
 import argparse
 import hashlib
@@ -29,6 +33,7 @@ import ipaddress
 import json
 import math
 import os
+import sys
 import threading
 import time
 from socketserver import ThreadingMixIn
@@ -37,13 +42,20 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import bottle
 import requests
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as st_load, save as st_save
 
 REQUEST_KEYS = ("input_ids", "seq_lens", "prompt_lens")
+# below this, logits / T overflow float32 (1e-45 gave -inf, 1e-300 NaN); samplers treat T < 1e-3 as greedy
+MIN_TEMPERATURE = 1e-3
+# the config fields that make two checkpoints the same network (dtype, use_cache, paths differ harmlessly)
+ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads")
 
 
 class WireError(ValueError):
-    """An invalid request/answer body. `status` is the HTTP code the server answers it with."""
+    """An invalid request (a /logps body, a /reload path or folder) or answer body. `status` is the HTTP code
+    the server answers it with."""
 
     def __init__(self, msg, status=400):
         super().__init__(msg)
@@ -51,7 +63,12 @@ class WireError(ValueError):
 
 
 class RefServerError(RuntimeError):
-    """The reference server could not be reached, or refused the request."""
+    """The reference server could not be reached, refused the request (`status`: its HTTP code), or answered
+    log-probs that are not finite."""
+
+    def __init__(self, msg, status=None):
+        super().__init__(msg)
+        self.status = status
 
 
 # ----------------------------------------------------------------------------- wire format
@@ -73,7 +90,8 @@ def _load(body: bytes) -> tuple[dict, dict]:
         # st_load does not return the metadata, so read it from the header it has just validated
         meta = json.loads(body[8:8 + int.from_bytes(body[:8], "little")]).get("__metadata__") or {}
     except Exception as e:  # SafetensorError, torch refusing a dtype or shape, json: all mean "bad bytes"
-        first_line = str(e).partition("\n")[0][:200]  # torch's C++ errors go on with a backtrace: keep it here
+        # torch's C++ errors go on with a backtrace: keep the first line
+        first_line = str(e).partition("\n")[0][:200]
         raise WireError(f"not a valid safetensors body: {first_line}") from e
     return tensors, meta
 
@@ -87,8 +105,9 @@ def _check_1d_int32(tensors, name):
     return t.long()
 
 
-def decode_request(body: bytes, *, vocab_size: int, max_seqs: int, max_tokens: int):
-    """Validate a request body -> (prompts, completions, temperature). Raises WireError (status 400/413)."""
+def decode_request(body: bytes, *, vocab_size: int, max_seqs: int, max_tokens: int, max_seq_len=None):
+    """Validate a request body -> (prompts, completions, temperature). Raises WireError (status 400/413).
+    max_seq_len: the model's context length (None: no limit)."""
     tensors, meta = _load(body)
     extra = set(tensors) - set(REQUEST_KEYS)
     if extra:
@@ -107,16 +126,20 @@ def decode_request(body: bytes, *, vocab_size: int, max_seqs: int, max_tokens: i
         raise WireError("seq_lens must be > 0")
     if seq_lens.sum().item() != len(ids):
         raise WireError(f"sum(seq_lens)={seq_lens.sum().item()} != len(input_ids)={len(ids)}")
+    if max_seq_len and seq_lens.max() > max_seq_len:  # positions the model was never trained on
+        raise WireError(f"a sequence of {seq_lens.max().item()} tokens > the model's context length "
+                        f"{max_seq_len}", status=413)
     if ((prompt_lens < 1) | (prompt_lens >= seq_lens)).any():  # >= 1 completion token to score
         raise WireError("every prompt_len must be >= 1 and < its seq_len")
     if ids.min() < 0 or ids.max() >= vocab_size:  # ids is not empty: B >= 1 and every seq_len > 0
-        raise WireError(f"token ids must be in [0, {vocab_size}), got [{ids.min().item()}, {ids.max().item()}]")
+        raise WireError(f"token ids must be in [0, {vocab_size}), "
+                        f"got [{ids.min().item()}, {ids.max().item()}]")
     try:
         temperature = float(meta["temperature"])
     except (KeyError, ValueError) as e:
         raise WireError(f"metadata needs a numeric 'temperature', got {meta}") from e
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise WireError(f"temperature must be finite and > 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+        raise WireError(f"temperature must be finite and >= {MIN_TEMPERATURE}, got {temperature}")
     seqs = ids.split(seq_lens.tolist())
     prompts = [s[:p].tolist() for s, p in zip(seqs, prompt_lens.tolist())]
     completions = [s[p:].tolist() for s, p in zip(seqs, prompt_lens.tolist())]
@@ -135,11 +158,26 @@ def decode_response(body: bytes, completion_lens: list[int]) -> list[torch.Tenso
     if t is None or set(tensors) != {"logps"} or t.dtype != torch.float32 or t.dim() != 1:
         raise WireError(f"answer must hold exactly one 1-D float32 'logps', got {list(tensors)}")
     if len(t) != sum(completion_lens):
-        raise WireError(f"answer has {len(t)} log-probs, expected sum(completion_lens)={sum(completion_lens)}")
+        raise WireError(f"answer has {len(t)} log-probs, "
+                        f"expected sum(completion_lens)={sum(completion_lens)}")
     return list(t.split(list(completion_lens)))
 
 
 # ----------------------------------------------------------------------------- client (used by the trainer)
+
+_local = threading.local()
+_limits = {}  # url -> the server's limits from its /health, read on the first request
+
+
+def _session() -> requests.Session:
+    """This thread's persistent Session (requests 2.34: a Session is not documented as thread-safe), so a
+    server that keeps connections open is not connected to anew for every request. This one (wsgiref) answers
+    HTTP/1.0 and closes each connection, so here it saves only building a Session per request: measured, the
+    smallest request's round trip stays at about 3 ms either way."""
+    if not hasattr(_local, "session"):
+        _local.session = requests.Session()
+    return _local.session
+
 
 def _error_text(r) -> str:
     try:
@@ -148,15 +186,16 @@ def _error_text(r) -> str:
         return r.text[:200]
 
 
-def _post(endpoint, body, headers, *, timeout, retry_for, backoff):
-    """POST with retries: connection errors and 5xx are retried, sleeping backoff * 1, 2, 4, ... seconds (at most
-    30 s each) for up to `retry_for` seconds in all, so a server that restarts is waited for. A 4xx raises at
-    once (the request itself is wrong; 413 = split the batch). A read timeout is not retried either: the server
-    is alive but slow, and a resend would queue a second copy behind the first."""
+def _call(method, endpoint, body=None, headers=None, *, timeout, retry_for, backoff):
+    """One request with retries: connection errors and 5xx are retried, sleeping backoff * 1, 2, 4, ...
+    seconds (at most 30 s each) for up to `retry_for` seconds in all, so a server that restarts is waited for;
+    each retry says so on stderr. A 4xx raises at once (the request itself is wrong; 413 = split the batch).
+    A read timeout is not retried either: the server is alive but slow, and a resend would queue a second
+    copy."""
     deadline, attempt, last = time.monotonic() + retry_for, 0, None
     while True:
         try:
-            r = requests.post(endpoint, data=body, headers=headers, timeout=timeout)
+            r = _session().request(method, endpoint, data=body, headers=headers, timeout=timeout)
             if r.status_code < 500:
                 break
             last = f"HTTP {r.status_code}: {_error_text(r)}"
@@ -168,10 +207,13 @@ def _post(endpoint, body, headers, *, timeout, retry_for, backoff):
         if time.monotonic() + pause > deadline:
             raise RefServerError(f"{endpoint} failed after {attempt + 1} attempts in {retry_for:g}s; "
                                  f"last error: {last}")
+        # the event, not a duration, is what tells a reader (and the fault tests) that the server was away
+        print(f"ref_server client: {method} {endpoint} failed ({last}); retrying in {pause:g}s",
+              file=sys.stderr, flush=True)
         time.sleep(pause)
         attempt += 1
     if r.status_code != 200:
-        raise RefServerError(f"{endpoint} answered HTTP {r.status_code}: {_error_text(r)}")
+        raise RefServerError(f"{endpoint} answered HTTP {r.status_code}: {_error_text(r)}", r.status_code)
     return r
 
 
@@ -179,21 +221,62 @@ def _auth(token):
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
+def _fits(limits, n_seqs, n_tokens):
+    # a body is 4 bytes per token id, 8 per sequence (its two lengths) and a header well under 1 KiB; a server
+    # older than the limits in /health gets the batch whole, as before
+    return (n_seqs <= limits.get("max_seqs", math.inf) and n_tokens <= limits.get("max_tokens", math.inf)
+            and 4 * n_tokens + 8 * n_seqs + 1024 <= limits.get("max_body", math.inf))
+
+
+def split_to_fit(prompts, completions, limits) -> list[range]:
+    """Consecutive index ranges, each a request within the server's limits (/health). A sequence that alone
+    exceeds them gets a range of its own, and the server's 413 says why."""
+    ranges, start, tokens = [], 0, 0
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        n = len(p) + len(c)
+        if i > start and not _fits(limits, i - start + 1, tokens + n):
+            ranges.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    return ranges + [range(start, len(prompts))]
+
+
 def ref_logps(url, prompts, completions, temperature, *, timeout=60, retry_for=30.0, backoff=1.0,
               token=os.environ.get("REF_SERVER_TOKEN")):
     """Reference log-probs of each completion token -> list of float32 (len(completion),) tensors.
-    Retries as _post says, for up to `retry_for` seconds."""
-    r = _post(url.rstrip("/") + "/logps", encode_request(prompts, completions, temperature),
-              {"Content-Type": "application/octet-stream", **_auth(token)},
-              timeout=timeout, retry_for=retry_for, backoff=backoff)
-    return decode_response(r.content, [len(c) for c in completions])
+
+    The batch is sent in as many requests as the server's limits need (read from /health once per URL, and
+    again after a 413 from a server restarted with smaller ones). Retries as _call says, for up to `retry_for`
+    seconds per request. Raises RefServerError, also when a log-prob is not finite."""
+    url, retry = url.rstrip("/"), dict(timeout=timeout, retry_for=retry_for, backoff=backoff)
+    headers = {"Content-Type": "application/octet-stream", **_auth(token)}
+    for attempt in range(2):
+        if url not in _limits:
+            _limits[url] = _call("GET", url + "/health", **retry).json()
+        out = []
+        try:
+            for part in split_to_fit(prompts, completions, _limits[url]):
+                ps, cs = prompts[part.start:part.stop], completions[part.start:part.stop]
+                r = _call("POST", url + "/logps", encode_request(ps, cs, temperature), headers, **retry)
+                out += decode_response(r.content, [len(c) for c in cs])
+            break
+        except RefServerError as e:
+            if e.status != 413 or attempt:
+                raise
+            del _limits[url]
+    bad = [i for i, t in enumerate(out) if not torch.isfinite(t).all()]
+    if bad:
+        raise RefServerError(f"{url}/logps answered non-finite log-probs for sequences {bad[:10]}")
+    return out
 
 
-def reload_reference(url, path, *, timeout=600, retry_for=30.0, token=os.environ.get("REF_SERVER_TOKEN")) -> dict:
+def reload_reference(url, path, *, timeout=600, retry_for=30.0,
+                     token=os.environ.get("REF_SERVER_TOKEN")) -> dict:
     """Ask the server to load the HF checkpoint in folder `path` (on the server's file system, under its
     --checkpoint-dir) as the new reference -> its new /health. Only a path crosses the wire, never weights."""
-    r = _post(url.rstrip("/") + "/reload", json.dumps({"path": path}),
-              {"Content-Type": "application/json", **_auth(token)}, timeout=timeout, retry_for=retry_for, backoff=1.0)
+    r = _call("POST", url.rstrip("/") + "/reload", json.dumps({"path": path}),
+              {"Content-Type": "application/json", **_auth(token)}, timeout=timeout, retry_for=retry_for,
+              backoff=1.0)
     return r.json()
 
 
@@ -202,7 +285,7 @@ def wait_for_server(url, timeout=120.0, interval=0.5) -> dict:
     deadline, last = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         try:
-            r = requests.get(url.rstrip("/") + "/health", timeout=min(5.0, timeout))
+            r = _session().get(url.rstrip("/") + "/health", timeout=min(5.0, timeout))
             if r.status_code == 200:
                 return r.json()
             last = f"HTTP {r.status_code}"
@@ -226,62 +309,204 @@ def exposure_error(host, token, insecure) -> str | None:
             return None
     except ValueError:  # not an IP address: a host name
         pass
-    return (f"--host {host} is reachable from other machines, but no token is set: anyone who can reach the "
-            "port could use the server. Set REF_SERVER_TOKEN (or --token), bind 127.0.0.1, or pass --insecure.")
+    return (f"--host {host} is reachable from other machines, but no token is set: anyone who can reach "
+            "the port could use the server. Set REF_SERVER_TOKEN (or --token), bind 127.0.0.1, or pass "
+            "--insecure.")
 
 
-def model_fingerprint(model) -> str:
-    """Short hash of the architecture + a few embedding values, to check trainer and server hold the same model.
+def model_fingerprint(model, samples=64) -> str:
+    """Short hash of the architecture and of every weight, to check trainer and server hold the same model.
 
-    Only architecture fields are hashed (dtype, use_cache, paths differ harmlessly between the two), and the
-    values are rounded to bfloat16 so a float32 copy and a bfloat16 copy agree. On the trainer side call it on
-    the policy before its first update (the policy starts as the reference)."""
-    c = model.config
-    arch = {k: getattr(c, k, None) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-                                             "num_attention_heads", "num_key_value_heads", "intermediate_size")}
-    w = model.get_input_embeddings().weight.detach().flatten()
-    vals = torch.cat([w[:16], w[-16:]]).to(torch.bfloat16).float().cpu().numpy().tobytes()
-    return hashlib.sha256(json.dumps(arch, sort_keys=True).encode() + vals).hexdigest()[:16]
+    Per tensor (in name order): its name, shape and `samples` values taken at an even stride through it, so
+    any checkpoint that differs from another in more than a few values is told apart at the cost of a few
+    thousand numbers. Of the config only ARCH_KEYS are hashed, and the values are rounded to bfloat16 so a
+    float32 and a bfloat16 copy agree. The trainer calls it on the policy before its first update (the policy
+    starts as the reference)."""
+    arch = {k: getattr(model.config, k, None) for k in ARCH_KEYS}
+    h = hashlib.sha256(json.dumps(arch, sort_keys=True).encode())
+    picked = []
+    for name, w in sorted(model.state_dict().items()):
+        h.update(f"{name}{list(w.shape)};".encode())
+        flat = w.detach().flatten()
+        picked.append(flat[::max(1, flat.numel() // samples)][:samples].to(torch.bfloat16))
+    h.update(torch.cat(picked).float().cpu().numpy().tobytes())  # one device-to-host copy on a GPU
+    return h.hexdigest()[:16]
+
+
+def default_dtype(device) -> str:
+    """float32 on CPU; on CUDA bfloat16 only where the GPU computes in it natively (Ampere and later), else
+    float32. torch.cuda.is_bf16_supported() alone (torch 2.13) also counts emulation, which on older GPUs is
+    slow and where vLLM's "auto" picks float16; the trainer is to pick the same way (issue 15)."""
+    cuda = str(device).startswith("cuda")
+    return "bfloat16" if cuda and torch.cuda.is_bf16_supported(including_emulation=False) else "float32"
 
 
 def load_model(path, device="cpu", dtype="auto"):
     from transformers import AutoModelForCausalLM  # here, so importing this module stays light
-    if dtype == "auto":
-        dtype = "float32" if device == "cpu" else "bfloat16"
-    # safetensors only: never a checkpoint format that runs code on load (hub models without safetensors: refused)
+    dtype = default_dtype(device) if dtype == "auto" else dtype
+    # safetensors only: never a checkpoint format that runs code on load (a hub model without them: refused)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
     model = model.to(device).eval()
     model.requires_grad_(False)
     return model
 
 
+def pad(prompts, completions):
+    """Left-pad the prompts and right-pad the completions, so every completion starts at the same column P ->
+    input_ids (B, P+T), attention_mask (B, P+T). Pad id 0: the mask, not the id, marks padding."""
+    P, T = max(map(len, prompts)), max(map(len, completions))
+    input_ids = torch.zeros(len(prompts), P + T, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        input_ids[i, P - len(p):P + len(c)] = torch.tensor(p + c)
+        attention_mask[i, P - len(p):P + len(c)] = 1
+    return input_ids, attention_mask
+
+
 @torch.no_grad()
-def compute_logps(model, prompts, completions, temperature, micro_batch=8) -> list[torch.Tensor]:
-    # Imported here, not at the top: grpo_train imports this module at its top (circular import otherwise);
-    # main() has loaded it already, so this is a dict lookup.
-    from grpo_train import completion_logps
-    from plumbing import pad_batch
-    device = next(model.parameters()).device
-    # Similar lengths share a micro-batch, so little compute goes to padding; answers go back in input order.
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(completions[i]))
-    out = [None] * len(prompts)
-    for s in range(0, len(order), micro_batch):
-        idx = order[s:s + micro_batch]
-        ps, cs = [prompts[i] for i in idx], [completions[i] for i in idx]
-        input_ids, attn, _ = pad_batch(ps, cs, pad_id=0)  # masks come from lengths, so any valid pad id works
-        lp = completion_logps(model, input_ids.to(device), attn.to(device), max(map(len, cs)), temperature)
+def forward_logps(model, input_ids, attention_mask, n_completion, temperature, chunk=512):
+    """float32 log-prob at `temperature` of each of the last `n_completion` tokens of every row (B, T): the
+    numbers grpo_train.completion_logps computes (tests/test_ref_server.py checks), with no graph to keep.
+    The lm_head runs on `chunk` tokens at a time, so the (B, T, vocab) logits are never all held."""
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: positions start at 0 per row
+    # get_decoder / get_output_embeddings (transformers 5.19): the body and lm_head of any causal LM
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids, use_cache=False).last_hidden_state
+    hidden = hidden[:, -n_completion - 1:-1]
+    targets = input_ids[:, -n_completion:]
+    out = []
+    for h, t in zip(hidden.flatten(0, 1).split(chunk), targets.flatten().split(chunk)):
+        logits = model.get_output_embeddings()(h).float() / temperature
+        out.append(logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1))
+    return torch.cat(out).view(targets.shape)
+
+
+def micro_batches(lengths, max_seqs, max_tokens) -> list[list[int]]:
+    """(prompt_len, completion_len) per sequence -> index lists, one per forward pass. Sorted by length, so
+    rows of one pass are padded little; each pass holds at most `max_seqs` rows and `max_tokens` padded
+    tokens. A sequence longer than that goes alone: unpadded, it needs no attention mask, so its memory grows
+    linearly with its length (a padded pass's mask grows with rows x width^2, bounded by max_tokens^2 / 2)."""
+    batches, cur, P, T = [], [], 0, 0
+    for i in sorted(range(len(lengths)), key=lambda i: sum(lengths[i])):
+        p, t = max(P, lengths[i][0]), max(T, lengths[i][1])
+        if cur and (len(cur) == max_seqs or (len(cur) + 1) * (p + t) > max_tokens):
+            batches.append(cur)
+            cur, (p, t) = [], lengths[i]
+        cur.append(i)
+        P, T = p, t
+    return batches + [cur]
+
+
+def compute_logps(model, prompts, completions, temperature, micro_batch=8, max_forward_tokens=8192):
+    """Each completion's float32 log-probs, in input order, a bounded micro-batch at a time."""
+    device, out = next(model.parameters()).device, [None] * len(prompts)
+    for idx in micro_batches([(len(prompts[i]), len(completions[i])) for i in range(len(prompts))],
+                             micro_batch, max_forward_tokens):
+        input_ids, attention_mask = pad([prompts[i] for i in idx], [completions[i] for i in idx])
+        lp = forward_logps(model, input_ids.to(device), attention_mask.to(device),
+                           max(len(completions[i]) for i in idx), temperature)
         for row, i in enumerate(idx):
             out[i] = lp[row, :len(completions[i])].float().cpu()
     return out
 
 
-def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, token=None, checkpoint_dir=None,
-             load=None) -> bottle.Bottle:
-    """checkpoint_dir + load(path) -> model enable POST /reload (with a token only)."""
+# ----------------------------------------------------------------------------- /reload's checks
+
+def _inside(path, root) -> str:
+    """realpath of `path`, which must be under `root` (realpath too): no way out through .., an absolute path
+    or a symlink, at any level of the folder or of the file."""
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, root]) != root:
+        raise WireError(f"{path!r} is not under the server's --checkpoint-dir", 403)
+    return real
+
+
+def _read_json(path, what):
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise WireError(f"{what} is not readable JSON: {str(e)[:200]}", 422) from e
+    if not isinstance(data, dict):
+        raise WireError(f"{what} is not a JSON object", 422)
+    return data
+
+
+def checkpoint_files(path, root, served_config) -> tuple[str, list[str]]:
+    """The folder and every file /reload will read from it (config.json, generation_config.json, the
+    safetensors index and its shards, or model.safetensors), each resolved and checked to be under `root`;
+    its config must describe the served architecture (`served_config`: a config's to_dict()).
+    Raises WireError: 400 bad path, 403 outside, 422 not a checkpoint we load."""
+    if "\0" in path:  # os.path.realpath raises on it
+        raise WireError("the path holds a NUL byte")
+    folder = _inside(path, root)
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise WireError(f"{path!r} is not a checkpoint folder (no config.json)")
+    files = [_inside(os.path.join(folder, name), root) for name in ("config.json", "generation_config.json")
+             if os.path.lexists(os.path.join(folder, name))]  # transformers 5.19 reads both when present
+    config = _read_json(files[0], "config.json")
+    if "auto_map" in config:
+        raise WireError("config.json names custom code (auto_map): the server never runs a checkpoint's code",
+                        422)
+    other = {k: config.get(k) for k in ARCH_KEYS if config.get(k) != served_config.get(k)}
+    if other:
+        raise WireError(f"config.json describes another architecture than the served model's: {other}", 422)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.lexists(index):
+        files.append(_inside(index, root))
+        weight_map = _read_json(files[-1], "model.safetensors.index.json").get("weight_map")
+        if not (isinstance(weight_map, dict) and weight_map
+                and all(isinstance(v, str) and v and "\0" not in v for v in weight_map.values())):
+            raise WireError("model.safetensors.index.json has no weight_map of tensor names to file names",
+                            422)
+        shards = sorted(set(weight_map.values()))
+    elif os.path.lexists(os.path.join(folder, "model.safetensors")):
+        shards = ["model.safetensors"]
+    else:
+        raise WireError(f"{path!r} has no safetensors weights (model.safetensors or its index); pickle "
+                        "checkpoints (.bin, .pt) are never loaded: they can run code", 422)
+    # os.path.join keeps an absolute shard name as it is: _inside still checks it
+    return folder, files + [_inside(os.path.join(folder, s), root) for s in shards]
+
+
+def check_weights(files, model):
+    """The tensors in the safetensors `files` (read from their headers only) must be exactly the weights of
+    `model`, with the same shapes; of weights tied to each other (an lm_head tied to the embeddings) one is
+    enough, as save_pretrained writes one. Raises WireError 422 naming what differs."""
+    shapes = {}
+    for f in (f for f in files if f.endswith(".safetensors")):
+        try:
+            with safe_open(f, framework="pt") as st:  # safetensors 0.8.0: reads the header, not the data
+                shapes.update({k: list(st.get_slice(k).get_shape()) for k in st.keys()})
+        except (OSError, SafetensorError) as e:
+            raise WireError(f"{os.path.basename(f)} is not a readable safetensors file: {str(e)[:200]}",
+                            422) from e
+    groups = {}  # tied weights share their storage
+    for name, w in model.state_dict().items():
+        groups.setdefault((w.data_ptr(), tuple(w.shape)) if w.data_ptr() else name, []).append(name)
+    want = {name: list(w.shape) for name, w in model.state_dict().items()}
+    missing = [g[0] for g in groups.values() if not any(n in shapes for n in g)]
+    unexpected = sorted(set(shapes) - set(want))
+    wrong = [f"{n} {shapes[n]} (served: {want[n]})" for n in sorted(set(shapes) & set(want))
+             if shapes[n] != want[n]]
+    if missing or unexpected or wrong:
+        raise WireError(f"not a complete checkpoint of the served architecture: missing {missing[:5]}, "
+                        f"unexpected {unexpected[:5]}, other shapes {wrong[:5]}", 422)
+
+
+# ----------------------------------------------------------------------------- the server
+
+def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, max_forward_tokens=8192,
+             token=None, checkpoint_dir=None, load=None) -> bottle.Bottle:
+    """checkpoint_dir + load(path) -> model enable POST /reload (with a token only). The app holds the model
+    only in `served`: a reload drops the last reference to the previous one."""
     app = bottle.Bottle()
     lock = threading.Lock()  # one forward (or reload) at a time; threads overlap only socket I/O and decoding
     vocab = model.get_input_embeddings().num_embeddings
-    health = {"status": "ok", "model": name, "vocab_size": vocab, "fingerprint": model_fingerprint(model)}
+    max_seq_len = getattr(model.config, "max_position_embeddings", None)
+    health = {"status": "ok", "model": name, "vocab_size": vocab, "fingerprint": model_fingerprint(model),
+              "max_seqs": max_seqs, "max_tokens": max_tokens, "max_seq_len": max_seq_len,
+              "max_body": max_body}
     served = {"model": model}  # replaced by /reload
 
     def json_error(res):  # every error, bottle's own 404/405/500 included, as one line of JSON
@@ -313,11 +538,14 @@ def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, toke
         body = checked_body()
         try:
             prompts, completions, temperature = decode_request(body, vocab_size=vocab, max_seqs=max_seqs,
-                                                               max_tokens=max_tokens)
+                                                               max_tokens=max_tokens, max_seq_len=max_seq_len)
         except WireError as e:
             bottle.abort(e.status, str(e))
         with lock:
-            logps = compute_logps(served["model"], prompts, completions, temperature, micro_batch)
+            logps = compute_logps(served["model"], prompts, completions, temperature, micro_batch,
+                                  max_forward_tokens)
+        if not all(torch.isfinite(t).all() for t in logps):  # the request was valid: the model is at fault
+            bottle.abort(500, "the reference model gave non-finite log-probs (overflowing weights or dtype?)")
         bottle.response.content_type = "application/octet-stream"
         return encode_response(logps)
 
@@ -334,17 +562,23 @@ def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, toke
             path = None
         if not isinstance(path, str) or not path:
             bottle.abort(400, 'expected a JSON body {"path": "..."}')
-        real, root = os.path.realpath(path), os.path.realpath(checkpoint_dir)
-        if os.path.commonpath([real, root]) != root:  # realpath first: no way out through .. or a symlink
-            bottle.abort(403, f"{path!r} is not under the server's --checkpoint-dir")
-        if not os.path.isfile(os.path.join(real, "config.json")):
-            bottle.abort(400, f"{path!r} is not a checkpoint folder (no config.json)")
         with lock:
-            new = load(real)
-            if new.get_input_embeddings().num_embeddings != vocab:
-                bottle.abort(400, f"{path!r} has another vocabulary than the served model")
-            served["model"] = new
-            health.update(model=real, fingerprint=model_fingerprint(new))
+            try:
+                folder, files = checkpoint_files(path, os.path.realpath(checkpoint_dir),
+                                                 served["model"].config.to_dict())
+                check_weights(files, served["model"])
+            except WireError as e:
+                bottle.abort(e.status, str(e))
+            try:
+                new = load(folder)
+            except torch.OutOfMemoryError:
+                raise  # the server's own limit: a 500
+            except Exception as e:  # the same code loaded the served model, so the checkpoint is at fault:
+                # transformers 5.19 raises KeyError (hidden_act "nope"), ValueError, huggingface_hub's errors...
+                first_line = str(e).partition("\n")[0][:300]
+                bottle.abort(422, f"{path!r} could not be loaded: {type(e).__name__}: {first_line}")
+            served["model"] = new  # the previous model's last reference: freed here
+            health.update(model=folder, fingerprint=model_fingerprint(new))
         return health
 
     return app
@@ -373,29 +607,29 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=262144, help="most tokens per request (else 413)")
     p.add_argument("--max-seqs", type=int, default=1024, help="most sequences per request (else 413)")
     p.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body in MiB (else 413)")
-    p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward pass")
+    p.add_argument("--micro-batch", type=int, default=8, help="most sequences per forward pass")
+    p.add_argument("--max-forward-tokens", type=int, default=8192,
+                   help="most padded tokens per forward pass (a longer sequence goes alone): bounds memory")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="weights dtype; auto = float32 on cpu, bfloat16 on cuda")
+                   help="weights dtype; auto = bfloat16 on a GPU that computes in it natively, else float32")
     p.add_argument("--token", default=os.environ.get("REF_SERVER_TOKEN"),
-                   help="require 'Authorization: Bearer TOKEN' on /logps (default: $REF_SERVER_TOKEN, else none)")
+                   help="require 'Authorization: Bearer TOKEN' (default: $REF_SERVER_TOKEN, else none)")
     p.add_argument("--checkpoint-dir", default=None,
-                   help="allow POST /reload of checkpoints under this folder (needs a token; --ref-sync-every)")
+                   help="allow POST /reload of checkpoints under this folder (needs a token)")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without a token (only on a network you trust)")
     a = p.parse_args(argv)
     if err := exposure_error(a.host, a.token, a.insecure):
         p.error(err)  # exits with status 2, before loading anything or binding the port
     torch.set_num_threads(a.threads)  # oversubscribed shared cores make everything 10-100x slower
-    model = load_model(a.model, a.device, a.dtype)
-    # Import grpo_train now rather than on the first request: a broken import fails at startup, not as a 500,
-    # and the first request does not pay for the trainer's imports. (When run as a script, grpo_train's own
-    # `from ref_server import ...` loads a second, inert copy of this file as `ref_server`: harmless.)
-    import grpo_train  # noqa: F401
-    app = make_app(model, name=a.model, max_seqs=a.max_seqs, max_tokens=a.max_tokens,
-                   max_body=int(a.max_body_mb * 2**20), micro_batch=a.micro_batch, token=a.token,
-                   checkpoint_dir=a.checkpoint_dir, load=lambda path: load_model(path, a.device, a.dtype))
+    # the model goes straight into the app: a name here would keep it alive after a /reload replaces it
+    app = make_app(load_model(a.model, a.device, a.dtype), name=a.model, max_seqs=a.max_seqs,
+                   max_tokens=a.max_tokens, max_body=int(a.max_body_mb * 2**20), micro_batch=a.micro_batch,
+                   max_forward_tokens=a.max_forward_tokens, token=a.token, checkpoint_dir=a.checkpoint_dir,
+                   load=lambda path: load_model(path, a.device, a.dtype))
     server = make_server(a.host, a.port, app, server_class=ThreadingWSGIServer, handler_class=QuietHandler)
-    print(f"ref_server: {a.model} on {a.device}, listening on http://{a.host}:{server.server_port}", flush=True)
+    print(f"ref_server: {a.model} on {a.device}, listening on http://{a.host}:{server.server_port}",
+          flush=True)
     server.serve_forever()
 
 

@@ -1,31 +1,37 @@
 """ref_server: the wire format in-process, then the real server in a subprocess (started once for the module)."""
 import copy
+import gc
 import http.client
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from wsgiref.simple_server import make_server
 
 import pytest
 import requests
 import torch
 from hypothesis import given, settings
-from safetensors.torch import save as st_save
+from safetensors.torch import load_file, save as st_save, save_file
 
+import ref_server
 from demo.run_demo import free_port
-from grpo_train import completion_logps
-from plumbing import pad_batch
-from ref_server import (RefServerError, WireError, decode_request, decode_response, encode_request,
-                        encode_response, exposure_error, model_fingerprint, ref_logps, reload_reference,
+from ref_server import (QuietHandler, RefServerError, ThreadingWSGIServer, WireError, compute_logps,
+                        decode_request, decode_response, encode_request, encode_response, exposure_error,
+                        make_app, micro_batches, model_fingerprint, ref_logps, reload_reference, split_to_fit,
                         wait_for_server)
 from test_ref_server_fuzz import any_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V = 108  # tiny model's vocab
 TOKEN = "s3cret"
-LIMITS = dict(vocab_size=V, max_seqs=16, max_tokens=2000)
+CONTEXT = 1024  # tiny model's max_position_embeddings
+LIMITS = dict(vocab_size=V, max_seqs=16, max_tokens=2000, max_seq_len=CONTEXT)
 # ragged: prompts and completions of different lengths, more rows than the server's --micro-batch 2
 PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
 COMPLETIONS = [[20, 21], [22, 23, 24, 25, 26, 27], [28], [29, 30, 31], [0, 0, 107]]
@@ -90,6 +96,11 @@ BAD = [
     ("temperature-nan", body([1, 2], [2], [1], temperature="nan"), 400, "temperature"),
     ("temperature-text", body([1, 2], [2], [1], temperature="hot"), 400, "temperature"),
     ("temperature-missing", body([1, 2], [2], [1], temperature=None), 400, "temperature"),
+    # logits / T overflow: these answered NaN and -inf
+    ("temperature-1e-300", body([1, 2], [2], [1], temperature="1e-300"), 400, "temperature"),
+    ("temperature-1e-45", body([1, 2], [2], [1], temperature="1e-45"), 400, "temperature"),
+    ("temperature-below-floor", body([1, 2], [2], [1], temperature="0.0009"), 400, "temperature"),
+    ("longer-than-context", encode_request([[1] * 1000], [[2] * (CONTEXT - 999)], 1.0), 413, "context length"),
     ("too-many-seqs", encode_request([[1]] * 17, [[2]] * 17, 1.0), 413, "sequences"),
     ("too-many-tokens", encode_request([[1] * 1500], [[2] * 501], 1.0), 413, "tokens"),
 ]
@@ -127,9 +138,9 @@ def env_without_token():
     return {k: v for k, v in os.environ.items() if k != "REF_SERVER_TOKEN"}
 
 
-def spawn_server(model_path, log_path, *args, env=None):
-    """Start ref_server.py on a free loopback port, not waiting for it -> (proc, url, log file)."""
-    port = free_port()
+def spawn_server(model_path, log_path, *args, env=None, port=None):
+    """Start ref_server.py on `port` (default: a free loopback port), not waiting for it -> (proc, url, log)."""
+    port = port or free_port()
     log = open(log_path, "w")
     cmd = [sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", model_path, "--port", str(port),
            "--threads", "1", *args]
@@ -172,8 +183,9 @@ def server_proc(tiny_model, tmp_path_factory):
     """Start the server (not waiting for it, so the slow boot overlaps other setup); kill it at module end."""
     # the token goes through the environment, so it is not visible in `ps`
     proc, url, log = spawn_server(tiny_model, tmp_path_factory.mktemp("ref_server") / "log.txt",
-                                  "--micro-batch", "2", "--max-seqs", "16", "--max-tokens", "2000",
-                                  "--max-body-mb", "0.05", env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
+                                  "--micro-batch", "2", "--max-forward-tokens", "12", "--max-seqs", "16",
+                                  "--max-tokens", "2000", "--max-body-mb", "0.05",
+                                  env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
     try:
         yield proc, url, log
     finally:
@@ -194,10 +206,13 @@ def server(server_proc, model):
 
 
 def local_logps(model, prompts, completions, temperature):
-    ids, attn, _ = pad_batch(prompts, completions, pad_id=0)
+    """A plain HF forward per sequence, unpadded: all logits at temperature, log_softmax, the completion's."""
+    out = []
     with torch.no_grad():
-        lp = completion_logps(model, ids, attn, max(map(len, completions)), temperature)
-    return [lp[i, :len(c)] for i, c in enumerate(completions)]
+        for p, c in zip(prompts, completions):
+            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1:-1].float() / temperature
+            out.append(logits.log_softmax(-1).gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1))
+    return out
 
 
 def post(url, data, token=TOKEN):
@@ -236,6 +251,19 @@ def test_import_is_light(server_proc):  # server_proc: runs while the server boo
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
+def test_standalone_imports_no_project_module(tmp_path, server_proc):
+    """ref_server.py copied alone to another folder (the reference machine) imports and names no project module."""
+    import ast
+    project = {f.removesuffix(".py") for f in os.listdir(ROOT) if f.endswith(".py")} | {"demo", "bench", "tests"}
+    tree = ast.parse(open(os.path.join(ROOT, "ref_server.py")).read())
+    imported = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+                for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    assert not imported & (project - {"ref_server"}), imported & project
+    (tmp_path / "ref_server.py").write_text(open(os.path.join(ROOT, "ref_server.py")).read())
+    subprocess.run([sys.executable, "-c", "import ref_server; ref_server.main(['--help'])"], cwd=tmp_path,
+                   check=True, timeout=60, capture_output=True, env={**env_without_token(), "PYTHONPATH": ""})
+
+
 @pytest.mark.parametrize("host,token,insecure,refused", [
     ("127.0.0.1", None, False, False), ("127.4.5.6", None, False, False), ("::1", None, False, False),
     ("localhost", None, False, False), ("LocalHost", None, False, False),
@@ -262,7 +290,8 @@ def test_refuses_network_host_without_token(server_proc):  # server_proc: runs w
 
 def test_health(server, model, tiny_model):
     h = wait_for_server(server, timeout=10)
-    assert h == {"status": "ok", "model": tiny_model, "vocab_size": V, "fingerprint": h["fingerprint"]}
+    assert h == {"status": "ok", "model": tiny_model, "vocab_size": V, "fingerprint": h["fingerprint"],
+                 "max_seqs": 16, "max_tokens": 2000, "max_seq_len": CONTEXT, "max_body": int(0.05 * 2**20)}
     assert h["fingerprint"] == model_fingerprint(model)
     assert model_fingerprint(copy.deepcopy(model).to(torch.bfloat16)) == h["fingerprint"]  # nor does dtype
 
@@ -271,12 +300,9 @@ def test_health(server, model, tiny_model):
 def test_logps_match_in_process(server, model, temperature):
     got = ref_logps(server, PROMPTS, COMPLETIONS, temperature, token=TOKEN)
     want = local_logps(model, PROMPTS, COMPLETIONS, temperature)
-    for g, w, c in zip(got, want, COMPLETIONS):
+    for g, w, c in zip(got, want, COMPLETIONS):   # padding and micro-batching change nothing
         assert g.shape == (len(c),) and g.dtype == torch.float32
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
-    # and each row equals its own unpadded forward: padding and micro-batching change nothing
-    for g, p, c in zip(got, PROMPTS, COMPLETIONS):
-        torch.testing.assert_close(g, local_logps(model, [p], [c], temperature)[0], atol=1e-4, rtol=0)
 
 
 def test_concurrent_requests(server, model):
@@ -347,16 +373,22 @@ def test_auth_paths_and_methods(server, model):
     assert_serves(server, model)
 
 
-def test_client_errors(server):
+def test_client_errors(server, capsys):
     with pytest.raises(RefServerError, match="401.*token"):  # 4xx: at once, with the server's message
         ref_logps(server, [[1]], [[2]], 1.0, token="wrong", retry_for=60, backoff=10)
     with pytest.raises(RefServerError, match="401.*token"):
         ref_logps(server, [[1]], [[2]], 1.0, retry_for=60, backoff=10)  # token=None: no Authorization header
+    capsys.readouterr()
     dead = f"http://127.0.0.1:{free_port()}"
-    t = time.monotonic()
-    with pytest.raises(RefServerError, match=f"{dead}/logps failed after 3 attempts in 0.3s"):
-        ref_logps(dead, [[1]], [[2]], 1.0, retry_for=0.3, backoff=0.05)   # 0.05 + 0.1 fit, + 0.2 would not
-    assert 0.15 <= time.monotonic() - t < 10
+    # the limits come first (/health), and nothing answers: retried after 0.05, 0.1, ... s while that fits in
+    # 0.3 s, each retry said on stderr (how many fit depends on the machine's speed: counted, not assumed)
+    with pytest.raises(RefServerError, match=f"{dead}/health failed after .* attempts in 0.3s") as e:
+        ref_logps(dead, [[1]], [[2]], 1.0, retry_for=0.3, backoff=0.05)
+    retries = capsys.readouterr().err.splitlines()
+    assert f"after {len(retries) + 1} attempts" in str(e.value) and retries, retries
+    for line, pause in zip(retries, ["0.05s", "0.1s"]):
+        assert line.startswith(f"ref_server client: GET {dead}/health failed (ConnectionError"), line
+        assert line.endswith(f"retrying in {pause}"), line
     with pytest.raises(RefServerError, match="not ready"):
         wait_for_server(dead, timeout=0.5, interval=0.1)
 
@@ -383,9 +415,73 @@ def test_fuzz_live_server(server_proc, server, model):
     assert "Traceback" not in server_log(server_proc[2])
 
 
+def bad_checkpoints(ckpts, good, outside):
+    """(name, folder, status, message) for each way a /reload folder is refused. `good` is a complete checkpoint
+    under `ckpts`; `outside` one outside it."""
+    import shutil
+
+    def variant(name, drop=(), files=None, config=None):
+        d = ckpts / name
+        shutil.copytree(good, d, ignore=shutil.ignore_patterns(*drop))
+        for fname, data in (files or {}).items():
+            (d / fname).write_bytes(data) if isinstance(data, bytes) else save_file(data, d / fname)
+        if config is not None:
+            (d / "config.json").write_bytes(config if isinstance(config, bytes) else config.encode())
+        return d
+
+    weights = load_file(good / "model.safetensors")
+    embed = {k: v for k, v in weights.items() if "embed_tokens" in k}
+    index = lambda weight_map: json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
+    sharded = variant("sharded_out_abs", drop=["model.safetensors"],
+                      files={"model.safetensors.index.json": index({k: str(outside / "model.safetensors")
+                                                                    for k in weights})})
+    variant_link = variant("linked_out", drop=["model.safetensors"])
+    (variant_link / "model.safetensors").symlink_to(outside / "model.safetensors")
+    config_link = variant("config_linked_out", drop=["config.json"])
+    (config_link / "config.json").symlink_to(outside / "config.json")
+    return [
+        ("index-absolute-outside", sharded, 403, "not under"),
+        ("index-dotdot-outside", variant("sharded_out_rel", drop=["model.safetensors"], files={
+            "model.safetensors.index.json": index({k: "../../outside/model.safetensors" for k in weights})}),
+         403, "not under"),
+        ("symlinked-weights-outside", variant_link, 403, "not under"),
+        ("symlinked-config-outside", config_link, 403, "not under"),
+        ("unrelated-tensor-only", variant("unrelated", files={"model.safetensors": {"x": torch.zeros(3)}}), 422,
+         "missing"),
+        ("embeddings-only", variant("embeddings", files={"model.safetensors": embed}), 422, "missing"),
+        ("extra-tensor", variant("extra", files={"model.safetensors": {**weights, "extra.bias": torch.zeros(2)}}),
+         422, "unexpected ['extra.bias']"),
+        ("other-shape", variant("shape", files={"model.safetensors": {
+            **weights, "model.norm.weight": torch.ones(7)}}), 422, "model.norm.weight [7]"),
+        ("pickle-only", variant("pickle", drop=["model.safetensors"], files={"pytorch_model.bin": b"\x80\x04."}),
+         422, "never loaded"),
+        ("custom-code", variant("custom", config=json.dumps({**json.loads((good / "config.json").read_text()),
+                                                             "auto_map": {"AutoModelForCausalLM": "m.M"}})),
+         422, "custom code"),
+        ("config-not-json", variant("notjson", config="{not json"), 422, "config.json is not readable JSON"),
+        ("config-not-utf8", variant("notutf8", config=b'{"a": "\xff"}'), 422, "config.json is not readable JSON"),
+        ("config-a-list", variant("configlist", config="[]"), 422, "not a JSON object"),
+        ("config-other-architecture", variant("otherarch", config=json.dumps(
+            {**json.loads((good / "config.json").read_text()), "intermediate_size": 999})), 422,
+         "another architecture than the served model's: {'intermediate_size': 999}"),
+        ("config-unknown-activation", variant("badact", config=json.dumps(
+            {**json.loads((good / "config.json").read_text()), "hidden_act": "nope"})), 422, "could not be loaded"),
+        ("index-no-map", variant("nomap", drop=["model.safetensors"],
+                                 files={"model.safetensors.index.json": b'{"weight_map": []}'}), 422, "weight_map"),
+        ("index-missing-shard", variant("noshard", drop=["model.safetensors"], files={
+            "model.safetensors.index.json": index({k: "nope.safetensors" for k in weights})}), 422, "readable"),
+        ("weights-not-safetensors", variant("garbage", files={"model.safetensors": b"garbage"}), 422, "readable"),
+        ("nul-byte", str(good) + "\0x", 400, "NUL"),
+        ("empty", ckpts / "empty", 400, "not a checkpoint"),
+        ("missing", ckpts / "missing", 400, "not a checkpoint"),
+    ]
+
+
 def test_reload_swaps_the_reference_only_from_the_checkpoint_folder(tmp_path, tiny_model, model):
-    """POST /reload (--ref-sync-every): only with a token, only folders under --checkpoint-dir (no way out through
-    .. or a symlink), only real checkpoints; afterwards the server answers with the new weights."""
+    """POST /reload (--ref-sync-every): only with a token, only folders under --checkpoint-dir, every file it
+    reads too (no way out through .., an absolute path or a symlink), only complete safetensors checkpoints of
+    the served architecture; every refusal is a 4xx and changes nothing; afterwards the server answers with the
+    new weights and its fingerprint is the new model's."""
     import shutil
     from transformers import AutoModelForCausalLM
     ckpts = tmp_path / "run"
@@ -393,11 +489,13 @@ def test_reload_swaps_the_reference_only_from_the_checkpoint_folder(tmp_path, ti
     new = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     with torch.no_grad():
         new.model.embed_tokens.weight.mul_(1.5)   # another model (tied lm_head too), same architecture
+        new.model.layers[1].mlp.down_proj.weight.mul_(-1)
     new.save_pretrained(new_dir)
     outside = tmp_path / "outside"
     shutil.copytree(new_dir, outside)
     (ckpts / "escape").symlink_to(outside)
     (ckpts / "empty").mkdir()
+    bad = bad_checkpoints(ckpts, new_dir, outside)
     proc, url, log = spawn_server(tiny_model, tmp_path / "log.txt", "--checkpoint-dir", str(ckpts),
                                   env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
     try:
@@ -411,14 +509,20 @@ def test_reload_swaps_the_reference_only_from_the_checkpoint_folder(tmp_path, ti
         assert_json_error(reload(outside), 403, "not under")
         assert_json_error(reload(ckpts / ".." / "outside"), 403, "not under")
         assert_json_error(reload(ckpts / "escape"), 403, "not under")
-        assert_json_error(reload(ckpts / "empty"), 400, "not a checkpoint")
-        assert_json_error(reload(ckpts / "missing"), 400, "not a checkpoint")
-        for bad in (b"", b"{", b"[]", b'{"path": 3}', b'{"path": ""}', b"\xff"):
-            r = requests.post(url + "/reload", data=bad, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+        for name, folder, status, msg in bad:
+            r = reload(folder)
+            assert r.status_code == status, (name, r.text)
+            assert_json_error(r, status, msg)
+        for body_ in (b"", b"{", b"[]", b'{"path": 3}', b'{"path": ""}', b"\xff"):
+            r = requests.post(url + "/reload", data=body_, headers={"Authorization": f"Bearer {TOKEN}"},
+                              timeout=10)
             assert_json_error(r, 400, "expected a JSON body")
         assert requests.get(url + "/health", timeout=10).json()["fingerprint"] == before   # nothing changed yet
+        assert_serves(url, model)
+        assert "Traceback" not in server_log(log)
         health = reload_reference(url, str(new_dir), token=TOKEN)
-        assert health["fingerprint"] != before and health["model"] == str(new_dir.resolve())
+        assert health["model"] == str(new_dir.resolve())
+        assert health["fingerprint"] == model_fingerprint(new) != before
         got = ref_logps(url, [[1, 2], [3]], [[4], [5, 6]], 1.0, token=TOKEN, retry_for=0)
         for g, w in zip(got, local_logps(new, [[1, 2], [3]], [[4], [5, 6]], 1.0)):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
@@ -430,5 +534,170 @@ def test_reload_swaps_the_reference_only_from_the_checkpoint_folder(tmp_path, ti
         wait_up(proc, url, log)
         r = requests.post(url + "/reload", data=json.dumps({"path": str(new_dir)}), timeout=10)
         assert_json_error(r, 403, "reload is off")
+    finally:
+        stop_server(proc, log)
+
+
+# ----------------------------------------------------------------------------- the server's own numbers, limits
+
+def test_logps_equal_the_trainers_and_a_plain_forward(model):
+    """The server computes log-probs with its own lines (it imports no project file); they equal the trainer's
+    (pad_batch + completion_logps) and a plain HF forward, with ragged lengths, at a temperature other than 1,
+    micro-batched by a token budget or not."""
+    import grpo_train
+    try:
+        from grpo_train import pad_batch
+    except ImportError:   # before the trainer's rewrite it lives in plumbing.py
+        from plumbing import pad_batch
+    prompts = PROMPTS + [[7] * 30, [9, 8]]
+    completions = COMPLETIONS + [[3, 4], list(range(40, 80))]
+    ids, attn, cmask = pad_batch(prompts, completions, 0)
+    with torch.no_grad():
+        trainer = grpo_train.completion_logps(model, ids, attn, cmask.shape[1], 0.7, chunk=3)
+    plain = local_logps(model, prompts, completions, 0.7)
+    for budget in (8, 64, 100000):
+        got = compute_logps(model, prompts, completions, 0.7, micro_batch=3, max_forward_tokens=budget)
+        for i, c in enumerate(completions):
+            assert got[i].dtype == torch.float32 and got[i].shape == (len(c),)
+            torch.testing.assert_close(got[i], trainer[i, :len(c)], atol=1e-5, rtol=0)
+            torch.testing.assert_close(got[i], plain[i], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("max_seqs,max_tokens", [(1, 10**6), (3, 10**6), (100, 40), (4, 64), (100, 10**6)])
+def test_micro_batches_are_bounded(max_seqs, max_tokens):
+    """Every sequence once; a pass holds at most max_seqs rows and max_tokens padded tokens, unless it is one
+    sequence longer than that; rows are sorted by length, so padding is small."""
+    import random
+    rng = random.Random(0)
+    lengths = [(rng.randint(1, 50), rng.randint(1, 50)) for _ in range(40)] + [(100, 100)]
+    batches = micro_batches(lengths, max_seqs, max_tokens)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        width = max(lengths[i][0] for i in b) + max(lengths[i][1] for i in b)
+        assert len(b) <= max_seqs and (len(b) * width <= max_tokens or len(b) == 1), (b, width)
+    order = [sum(lengths[i]) for b in batches for i in b]
+    assert order == sorted(order)
+
+
+def test_split_to_fit():
+    limits = {"max_seqs": 3, "max_tokens": 10, "max_body": 10**6}
+    prompts, completions = [[1]] * 6 + [[1] * 20], [[2, 3]] * 6 + [[2]]
+    parts = split_to_fit(prompts, completions, limits)
+    assert [list(p) for p in parts] == [[0, 1, 2], [3, 4, 5], [6]]   # the 21-token one alone: the server says 413
+    tight = split_to_fit(prompts[:6], completions[:6], {**limits, "max_body": 1024 + 4 * 6 + 8 * 2})
+    assert [list(p) for p in tight] == [[0, 1], [2, 3], [4, 5]]      # the body limit binds too
+
+
+def test_client_splits_a_batch_over_the_servers_limits(server, model):
+    """50 sequences, 4,000+ tokens, ~17 KB: over the server's --max-seqs 16 and --max-tokens 2000 (and near its
+    52 KB body limit): the client splits it and gets every log-prob right, never a 413."""
+    import random
+    rng = random.Random(1)
+    prompts = [[rng.randrange(V) for _ in range(rng.randint(1, 60))] for _ in range(50)]
+    completions = [[rng.randrange(V) for _ in range(rng.randint(1, 100))] for _ in range(50)]
+    assert sum(map(len, prompts + completions)) > 4000
+    got = ref_logps(server, prompts, completions, 0.9, token=TOKEN, retry_for=0)
+    for g, w in zip(got, local_logps(model, prompts, completions, 0.9), strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    with pytest.raises(RefServerError, match="413.*context length"):   # one sequence cannot be split
+        ref_logps(server, [[1] * 1000], [[2] * 30], 1.0, token=TOKEN, retry_for=0)
+
+
+def test_fingerprint_covers_every_weight(model):
+    """Changing any one tensor changes the fingerprint (it used to hash 32 embedding values); the dtype does not."""
+    base = model_fingerprint(model)
+    assert model_fingerprint(copy.deepcopy(model).to(torch.bfloat16)) == base
+    names = [n for n, _ in model.named_parameters()]
+    assert len(names) > 10
+    for name in names:
+        other = copy.deepcopy(model)
+        with torch.no_grad():
+            other.get_parameter(name).add_(0.05)
+        assert model_fingerprint(other) != base, name
+
+
+def test_default_dtype(monkeypatch):
+    """bfloat16 only on a GPU that computes in it natively (issue: emulated bf16 on pre-Ampere GPUs), else
+    float32; the trainer decides the same way, so both hold the same numbers."""
+    asked = []
+
+    def native_bf16(including_emulation=True):
+        asked.append(including_emulation)
+        return not including_emulation and native
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", native_bf16)
+    assert ref_server.default_dtype("cpu") == "float32"
+    native = True
+    assert ref_server.default_dtype("cuda:0") == "bfloat16"
+    native = False
+    assert ref_server.default_dtype("cuda:1") == "float32"
+    assert asked == [False, False]
+
+
+@contextmanager
+def serve_in_thread(app):
+    """`app` served over loopback by the server class main() uses, in this process (to look inside it)."""
+    httpd = make_server("127.0.0.1", 0, app, server_class=ThreadingWSGIServer, handler_class=QuietHandler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(10)
+
+
+def test_reload_frees_the_previous_model(tmp_path, tiny_model):
+    """After /reload nothing holds the model it replaced (two models on the reference GPU was the bug)."""
+    from transformers import AutoModelForCausalLM
+    load = lambda path: ref_server.load_model(path)
+    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(tmp_path / "step_1")
+    first = load(tiny_model)
+    gone = weakref.ref(first)
+    app = make_app(first, name="tiny", max_seqs=16, max_tokens=2000, max_body=2**20, token=TOKEN,
+                   checkpoint_dir=str(tmp_path), load=load)
+    del first
+    with serve_in_thread(app) as url:
+        assert gone() is not None   # served
+        reload_reference(url, str(tmp_path / "step_1"), token=TOKEN, retry_for=0)
+        gc.collect()
+        assert gone() is None
+        assert_serves(url, load(tiny_model))   # the same weights, from the reloaded copy
+
+
+def test_non_finite_log_probs_are_the_servers_fault(tiny_model):
+    """A model whose numbers overflow answers 500 with a message (not NaNs to train on); the client raises."""
+    broken = ref_server.load_model(tiny_model)
+    with torch.no_grad():
+        broken.model.norm.weight.fill_(float("inf"))
+    app = make_app(broken, name="broken", max_seqs=16, max_tokens=2000, max_body=2**20)
+    with serve_in_thread(app) as url:
+        with pytest.raises(RefServerError, match="HTTP 500: the reference model gave non-finite log-probs"):
+            ref_logps(url, [[1, 2]], [[3]], 1.0, retry_for=0)
+
+
+def test_client_retries_until_a_restarted_server_answers(tmp_path, tiny_model, model, capsys):
+    """The server dies between two requests: the client says on stderr that it retries, and the request is
+    answered once a server is back on the same port."""
+    proc, url, log = spawn_server(tiny_model, tmp_path / "log.txt")
+    wait_up(proc, url, log)
+    ref_logps(url, [[1]], [[2]], 1.0, retry_for=0)   # the client knows the server (its limits)
+    stop_server(proc, log)
+    capsys.readouterr()
+    result = {}
+    client = threading.Thread(target=lambda: result.update(got=ref_logps(url, [[1, 2]], [[3]], 1.0,
+                                                                         retry_for=300, backoff=0.2)))
+    client.start()
+    try:
+        err, deadline = "", time.monotonic() + 60
+        while f"ref_server client: POST {url}/logps failed" not in err:   # the client met the dead server
+            assert time.monotonic() < deadline and client.is_alive(), err
+            time.sleep(0.1)
+            err += capsys.readouterr().err
+        proc, _, log = spawn_server(tiny_model, tmp_path / "log2.txt", port=int(url.rsplit(":", 1)[1]))
+        client.join(240)
+        assert not client.is_alive()
+        torch.testing.assert_close(result["got"][0], local_logps(model, [[1, 2]], [[3]], 1.0)[0], atol=1e-5,
+                                   rtol=0)
     finally:
         stop_server(proc, log)

@@ -1,5 +1,6 @@
 """ref_server under load: 8 client threads send 200 realistic requests to the real server (one forward at a time);
-every answer must equal the in-process forward. Throughput and latency are printed (`pytest -s`), not asserted."""
+every answer must equal the in-process forward. Throughput and latency are printed (`pytest -s`), not asserted.
+And its memory: the peak stays flat as a request grows in sequences and in length."""
 import random
 import statistics
 import time
@@ -72,3 +73,44 @@ def test_load(load_server, model):
         for g, w, c in zip(answers[i], want, completions, strict=True):
             assert g.shape == (len(c),)
             torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+
+
+def peak_rss_mb(pid, send):
+    """The process's peak resident memory (MB) while `send()` runs. Writing 5 to clear_refs resets the peak
+    (VmHWM) to the current size (Linux >= 4.0), so each measurement starts from where the process is."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+    send()
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def test_peak_memory_stays_flat_as_the_request_grows(tmp_path):
+    """A forward's memory grows with rows x width^2 where rows are padded (the attention mask): on the old
+    server two sequences of 4,096 and 4,095 tokens cost 130 MB more than one, eight 540 MB. With a token budget
+    per forward (--max-forward-tokens) a long sequence goes alone, unpadded and without a mask, so the peak of
+    any request is that of one sequence at the model's context length (the longest it accepts), whatever the
+    number and lengths of its sequences."""
+    from demo.tiny_model import build_model, build_tokenizer, save
+    tok = build_tokenizer()
+    model = build_model(tok)
+    model.config.max_position_embeddings = 4096   # the tiny model's 1,024 is too short to show the growth
+    path = save(model, tok, str(tmp_path / "model"))
+    proc, url, log = spawn_server(path, tmp_path / "log.txt", "--max-forward-tokens", "1024")
+    try:
+        wait_up(proc, url, log)
+
+        def request(n, length):   # n sequences of about `length` tokens, each one shorter: all padded
+            lens = [length - i for i in range(n)]
+            return lambda: ref_logps(url, [[5] * (k // 2) for k in lens], [[6] * (k - k // 2) for k in lens],
+                                     1.0, timeout=300, retry_for=0)
+        request(2, 64)()   # the first forward's one-off allocations (thread pools, kernels)
+        small = peak_rss_mb(proc.pid, request(1, 64))
+        peaks = {(n, length): round(peak_rss_mb(proc.pid, request(n, length)) - small, 1)
+                 for n, length in [(1, 4096), (2, 1024), (2, 4096), (8, 4096), (64, 512)]}
+        print(f"\nref_server peak RSS, MB over one 64-token sequence ({small:.0f} MB): {peaks}")
+        one = peaks.pop((1, 4096))
+        assert max(peaks.values()) < one + 16, (one, peaks)
+        assert "Traceback" not in server_log(log)
+    finally:
+        stop_server(proc, log)
