@@ -14,7 +14,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rewards import parse_reward_spec
-from ref_server import model_fingerprint, reload_reference, wait_for_server
+from ref_server import default_dtype, model_fingerprint, reload_reference, wait_for_server
 from tasks import drop_long_prompts, load_task
 
 
@@ -94,16 +94,10 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         raise SystemExit("grpo_train.py: " + "; ".join(problems))
 
 
-def training_dtype(cuda, bf16_native):
-    """bf16 on GPUs that have it natively; fp32 otherwise. Emulated bf16 (pre-Ampere) counts as none:
-    vLLM serves in this dtype too, and must not pick fp16 while the trainer has bf16."""
-    return torch.bfloat16 if cuda and bf16_native else torch.float32
-
-
 def load_policy(model_name, grad_ckpt):
-    """-> (HF model, tokenizer)."""
-    cuda = torch.cuda.is_available()
-    dtype = training_dtype(cuda, cuda and torch.cuda.is_bf16_supported(including_emulation=False))
+    """-> (HF model, tokenizer). The dtype is the reference server's rule: bf16 only on GPUs that have it
+    natively, fp32 otherwise; vLLM is then given the same (generation.vllm_dtype)."""
+    dtype = getattr(torch, default_dtype("cuda" if torch.cuda.is_available() else "cpu"))
     tok = AutoTokenizer.from_pretrained(model_name)
     model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype)
     if grad_ckpt:   # HF checkpoints layers in train mode only (Qwen and Llama have no dropout to turn on)

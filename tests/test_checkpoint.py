@@ -82,12 +82,12 @@ def test_pruning_keeps_the_newest_and_the_reference_and_leaves_later_ones(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_60", "step_70.tmp"]
 
 
-def test_dtypes_bf16_only_where_native_and_vllm_serves_the_trainers():
-    """Pre-Ampere GPUs emulate bf16: the trainer then trains in fp32, and vLLM is told fp32 too (its "auto"
-    would pick fp16 there)."""
+def test_vllm_is_told_the_trainers_dtype(tiny_model):
+    """The trainer picks its dtype by the reference server's rule (bf16 only where native: tested with
+    ref_server.default_dtype), and vLLM is given exactly that dtype, never its own "auto" (which picks fp16
+    on pre-Ampere GPUs)."""
     from generation import vllm_dtype
-    from run_setup import training_dtype
-    assert training_dtype(cuda=True, bf16_native=True) == torch.bfloat16
-    assert training_dtype(cuda=True, bf16_native=False) == torch.float32
-    assert training_dtype(cuda=False, bf16_native=False) == torch.float32
-    assert [vllm_dtype(d) for d in (torch.bfloat16, torch.float32)] == ["bfloat16", "float32"]
+    from run_setup import load_policy
+    model, _ = load_policy(tiny_model, grad_ckpt=False)
+    assert model.dtype == torch.float32 and vllm_dtype(model.dtype) == "float32"   # no GPU here
+    assert vllm_dtype(torch.bfloat16) == "bfloat16"
