@@ -1,18 +1,20 @@
-"""Throughput and memory at real model sizes, for a machine with a CUDA GPU: vLLM sampling tokens/s, and tokens/s
-and MFU of the GRPO training step (grpo_train.completion_logps + grpo_train.grpo_loss, forward + backward + step
-through DeepSpeed ZeRO-2 built by plumbing.build_engine, world size 1), with each phase's peak memory.
+"""Throughput and memory at real model sizes, for a machine with a CUDA GPU: vLLM sampling tokens/s, and
+tokens/s and MFU of the GRPO training step (grpo_train.completion_logps + grpo_train.grpo_loss, forward +
+backward + step through DeepSpeed ZeRO-2 built by plumbing.build_engine with --ds-config, world size 1), with
+each phase's peak memory.
 
     python bench/gpu_bench.py                                   # Qwen2.5-0.5B and 1.5B shapes, on GPU 0
     python bench/gpu_bench.py --models qwen2.5-1.5b --grad-ckpt
+    python bench/gpu_bench.py --no-gen                          # training only (a machine without vLLM)
     python bench/gpu_bench.py --tiny --peak-tflops 0.1         # a smoke run on CPU (tests/test_bench.py)
 
-The models are randomly initialised from hardcoded Qwen2.5 configs (no download; Qwen2.5's vocabulary of 151,936,
-the demo's character tokenizer), saved to a temporary folder. Each phase (generate, train) runs in a subprocess of
-its own, one after the other (--tiny: both at once, a smoke run), so its peak memory is its own:
-torch.cuda.max_memory_allocated on GPU (vLLM's KV cache included: it takes --gen-mem of the GPU), the process's
-ru_maxrss on CPU. Generation ignores EOS (a random model), so every
-completion is --new-tokens long. MFU = 6 x parameters x training tokens per second / peak FLOP/s (--peak-tflops,
-default 989 = H100 SXM dense bf16; n/a on CPU unless given); attention FLOPs and recomputation are not counted.
+The models are randomly initialised from hardcoded Qwen2.5 configs (no download; Qwen2.5's vocabulary of
+151,936, the demo's character tokenizer), saved to a temporary folder. Each phase (generate, train) runs in a
+subprocess of its own, one after the other (--tiny: both at once, a smoke run), so its peak memory is its own:
+torch.cuda.max_memory_allocated on GPU (vLLM's KV cache included: it takes --gen-mem of the GPU), the
+process's ru_maxrss on CPU. Generation ignores EOS (a random model), so every completion is --new-tokens long.
+MFU = the step's model FLOPs (train_flops) per second / peak FLOP/s (--peak-tflops, default 989 = H100 SXM
+dense bf16; n/a on CPU unless given). --no-gen skips the generation phase (its columns read n/a).
 """
 import argparse
 import json
@@ -28,7 +30,8 @@ from _common import ROOT, machine, n_params, print_table, random_model
 VOCAB = 151936
 CONFIGS = {"qwen2.5-0.5b": dict(hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2),
            "qwen2.5-1.5b": dict(hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2),
-           "tiny": dict(hidden=64, intermediate=128, layers=2, heads=2, kv_heads=2)}   # head size 32: vLLM CPU's least
+           # head size 32: the least vLLM's CPU attention takes
+           "tiny": dict(hidden=64, intermediate=128, layers=2, heads=2, kv_heads=2)}
 # --tiny's workload: small enough for CPU, large enough that every number is measured, not rounded to 0
 TINY = dict(prompts=2, group_size=2, prompt_len=8, new_tokens=8, batch=4, micro_batch=2, steps=2)
 
@@ -39,17 +42,41 @@ def peak_mib(torch):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
 
 
+def train_flops(body_params, hidden, vocab, seqs, prompt_len, new_tokens):
+    """Model FLOPs of one optimizer step over `seqs` sequences of prompt_len + new_tokens tokens:
+
+        6 x body_params x seqs x (prompt_len + new_tokens)  +  6 x hidden x vocab x seqs x new_tokens
+
+    body_params: the parameters other than the embedding (and an untied lm_head). 6 = 2 (forward) + 4
+    (backward: gradients of activations and of weights) FLOPs per parameter per token. The body runs forward
+    and backward on every token, prompt tokens included: the completion attends to the prompt's keys and
+    values at every layer, so the loss's gradient reaches the weights through the prompt positions too. The
+    embedding is a lookup (no FLOPs). The lm_head (hidden x vocab) runs only on the positions that predict a
+    completion token (completion_logps), so only completion tokens count it. Not counted: the attention
+    scores (QK^T and AV; about 4% more at 0.5B shape and 768 tokens), and the lm_head's second forward under
+    activation checkpointing (recomputation is hardware FLOPs, not model FLOPs)."""
+    return 6 * seqs * (body_params * (prompt_len + new_tokens) + hidden * vocab * new_tokens)
+
+
+def body_params(model):
+    """Parameters other than the input embedding and the lm_head (tied or not): what runs per token."""
+    emb = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    return sum(p.numel() for p in model.parameters() if id(p) not in emb)
+
+
 def generate(a, path):
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     import torch
     from vllm import LLM, SamplingParams
     cpu = not torch.cuda.is_available()
-    llm = LLM(path, seed=0, dtype="float32" if cpu else "bfloat16", enforce_eager=cpu, skip_tokenizer_init=True,
-              gpu_memory_utilization=a.gen_mem, max_model_len=a.prompt_len + a.new_tokens)
+    llm = LLM(path, seed=0, dtype="float32" if cpu else "bfloat16", enforce_eager=cpu,
+              skip_tokenizer_init=True, gpu_memory_utilization=a.gen_mem,
+              max_model_len=a.prompt_len + a.new_tokens)
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(0, VOCAB, (a.prompt_len,), generator=g).tolist()}
                for _ in range(a.prompts)]
-    params = lambda n: SamplingParams(n=a.group_size, temperature=1.0, max_tokens=n, ignore_eos=True, detokenize=False)
+    params = lambda n: SamplingParams(n=a.group_size, temperature=1.0, max_tokens=n, ignore_eos=True,
+                                      detokenize=False)
     llm.generate(prompts, params(2), use_tqdm=False)   # warm-up
     t = time.perf_counter()
     outs = llm.generate(prompts, params(a.new_tokens), use_tqdm=False)
@@ -59,7 +86,8 @@ def generate(a, path):
 
 def train(a, path):
     from demo.run_demo import free_port   # a single-process "launch" of world size 1
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
     import deepspeed
     import torch
     from grpo_train import completion_logps, grpo_loss
@@ -67,7 +95,7 @@ def train(a, path):
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
     deepspeed.init_distributed()
-    ns = argparse.Namespace(model=path, grad_ckpt=a.grad_ckpt, ds_config=os.path.join(ROOT, "ds_config.json"),
+    ns = argparse.Namespace(model=path, grad_ckpt=a.grad_ckpt, ds_config=os.path.join(ROOT, a.ds_config),
                             micro_batch=a.micro_batch, lr=1e-6)
     engine = build_engine(ns, load_model(ns)[0])
     dev, B, mb, T = engine.device, a.batch, a.micro_batch, a.new_tokens
@@ -75,15 +103,17 @@ def train(a, path):
     ids = torch.randint(0, VOCAB, (B, a.prompt_len + T), generator=g).to(dev)
     attn, mask, adv = torch.ones_like(ids), torch.ones(B, T, device=dev), torch.randn(B, generator=g).to(dev)
     with torch.no_grad():   # the batch's "old" log-probs: what the policy gives before the first timed step
-        old = torch.cat([completion_logps(engine.module, ids[i:i + mb], attn[i:i + mb], T) for i in range(0, B, mb)])
+        old = torch.cat([completion_logps(engine.module, ids[i:i + mb], attn[i:i + mb], T)
+                         for i in range(0, B, mb)])
 
     def step():   # one GRPO optimizer step over the batch, micro-batches accumulated, as grpo_train.main does
         n_micro = (B + mb - 1) // mb
         for k, i in enumerate(range(0, B, mb)):
             engine.set_gradient_accumulation_boundary(k == n_micro - 1)
             logps = completion_logps(engine.module, ids[i:i + mb], attn[i:i + mb], T)
-            loss, count, _ = grpo_loss(logps, old[i:i + mb], old[i:i + mb], adv[i:i + mb], mask[i:i + mb], beta=0.04,
-                                       eps_low=0.2, eps_high=0.2, agg="seq-mean-token-mean", max_len=T)
+            loss, count, _ = grpo_loss(logps, old[i:i + mb], old[i:i + mb], adv[i:i + mb], mask[i:i + mb],
+                                       beta=0.04, eps_low=0.2, eps_high=0.2, agg="seq-mean-token-mean",
+                                       max_len=T)
             engine.backward(loss * count / B)
         engine.step()
     step()   # warm-up
@@ -94,15 +124,20 @@ def train(a, path):
         step()
     sync()
     elapsed = time.perf_counter() - t
-    return {"params": n_params(engine.module), "train_tok_s": a.steps * B * (a.prompt_len + T) / elapsed,
-            "train_peak_mib": peak_mib(torch)}
+    m = engine.module
+    flops = train_flops(body_params(m), m.config.hidden_size, m.config.vocab_size, B, a.prompt_len, T)
+    return {"params": n_params(m), "body_params": body_params(m),
+            "train_tok_s": a.steps * B * (a.prompt_len + T) / elapsed,
+            "train_tflop_s": a.steps * flops / elapsed / 1e12, "train_peak_mib": peak_mib(torch),
+            "dtypes": [str(d).removeprefix("torch.") for d in engine.get_data_types()]}
 
 
 def start_phase(a, phase, path):
     cmd = [sys.executable, __file__, "--phase", phase, "--path", path] + a.passthrough
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                                 os.path.join(sys.prefix, "torch_extensions"))}
-    log = open(os.path.join(path, f"{phase}.log"), "w+")   # files, not pipes: two children never block on a pipe
+    # files, not pipes: two children never block on a pipe
+    log = open(os.path.join(path, f"{phase}.log"), "w+")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT), log
 
 
@@ -119,7 +154,8 @@ def result(started, what):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b", help=f"comma-separated, of {list(CONFIGS)}")
+    p.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b",
+                   help=f"comma-separated, of {list(CONFIGS)}")
     p.add_argument("--tiny", action="store_true", help="the tiny config and workload (CPU, for the test)")
     p.add_argument("--prompts", type=int, default=64, help="generation: prompts per call")
     p.add_argument("--group-size", type=int, default=8, help="generation: completions per prompt")
@@ -130,7 +166,11 @@ def main():
     p.add_argument("--micro-batch", type=int, default=8, help="training: sequences per forward/backward")
     p.add_argument("--steps", type=int, default=3, help="training: timed optimizer steps (after one warm-up)")
     p.add_argument("--grad-ckpt", action="store_true", help="training: gradient checkpointing")
-    p.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s for MFU (default: 989 on GPU)")
+    p.add_argument("--ds-config", default="ds_config.json",
+                   help="training: DeepSpeed config (relative to the repository root)")
+    p.add_argument("--no-gen", action="store_true", help="skip the generation phase (a machine without vLLM)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s for MFU (default: 989 on GPU)")
     p.add_argument("--phase", choices=["gen", "train"], help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -140,8 +180,9 @@ def main():
     if a.phase:
         print("RESULT " + json.dumps({"gen": generate, "train": train}[a.phase](a, a.path)))
         return
-    a.passthrough = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in ("prompts", "group_size", "prompt_len",
-                     "new_tokens", "gen_mem", "batch", "micro_batch", "steps")] + ["--grad-ckpt"] * a.grad_ckpt
+    a.passthrough = [f"--{k.replace('_', '-')}={getattr(a, k)}"
+                     for k in ("prompts", "group_size", "prompt_len", "new_tokens", "gen_mem", "batch",
+                               "micro_batch", "steps", "ds_config")] + ["--grad-ckpt"] * a.grad_ckpt
     import torch
     peak = a.peak_tflops or (989.0 if torch.cuda.is_available() else None)
     rows = []
@@ -149,20 +190,26 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:   # bf16 on GPU (what vLLM and the trainer use there)
             random_model(tmp, dtype="bfloat16" if torch.cuda.is_available() else "float32", vocab=VOCAB,
                          max_len=a.prompt_len + a.new_tokens, **CONFIGS[config])
-            if a.tiny:   # a smoke run: both phases at once, so that the test stays short
+            r = {"gen_tok_s": "n/a", "gen_peak_mib": "n/a"}
+            if a.tiny and not a.no_gen:   # a smoke run: both phases at once, so that the test stays short
                 gen, trn = start_phase(a, "gen", tmp), start_phase(a, "train", tmp)
-                r = {**result(gen, f"generation ({config})"), **result(trn, f"training ({config})")}
+                r.update({**result(gen, f"generation ({config})"), **result(trn, f"training ({config})")})
             else:        # one after the other: each has the GPU to itself
-                r = result(start_phase(a, "gen", tmp), f"generation ({config})")
+                if not a.no_gen:
+                    r.update(result(start_phase(a, "gen", tmp), f"generation ({config})"))
                 r.update(result(start_phase(a, "train", tmp), f"training ({config})"))
-        mfu = f"{100 * 6 * r['params'] * r['train_tok_s'] / (peak * 1e12):.3g}" if peak else "n/a"
-        rows.append([config, f"{r['params'] / 1e6:.1f}", f"{r['gen_tok_s']:.1f}", f"{r['train_tok_s']:.1f}", mfu,
-                     f"{r['gen_peak_mib']:.0f}", f"{r['train_peak_mib']:.0f}"])
+        mfu = f"{100 * r['train_tflop_s'] / peak:.3g}" if peak else "n/a"
+        print(f"{config}: DeepSpeed's model and gradient-accumulation dtypes: {r['dtypes']}", flush=True)
+        num = lambda v, fmt: v if isinstance(v, str) else format(v, fmt)
+        rows.append([config, f"{r['params'] / 1e6:.1f}", f"{r['body_params'] / 1e6:.1f}",
+                     num(r["gen_tok_s"], ".1f"), f"{r['train_tok_s']:.1f}", f"{r['train_tflop_s']:.4g}", mfu,
+                     num(r["gen_peak_mib"], ".0f"), f"{r['train_peak_mib']:.0f}"])
     print(f"\n{machine()}; generation: {a.prompts} prompts x {a.group_size} completions, {a.prompt_len} + "
           f"{a.new_tokens} tokens; training: {a.batch} sequences of {a.prompt_len} + {a.new_tokens} tokens, "
           f"micro-batch {a.micro_batch}, grad-ckpt {a.grad_ckpt}, mean of {a.steps} steps; MFU against "
           f"{peak or 'n/a'} TFLOP/s")
-    print_table(["model", "params M", "gen tok/s", "train tok/s", "MFU %", "gen peak MiB", "train peak MiB"], rows)
+    print_table(["model", "params M", "non-emb. M", "gen tok/s", "train tok/s", "train TFLOP/s", "MFU %",
+                 "gen peak MiB", "train peak MiB"], rows)
 
 
 if __name__ == "__main__":

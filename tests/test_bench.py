@@ -1,5 +1,6 @@
-"""The benchmarks stay runnable: the GPU bench's tiny CPU mode end to end (real vLLM, real DeepSpeed), the overlap
-report's arithmetic on a metrics file whose answer is known, and every bench script's --help."""
+"""The benchmarks stay runnable: the GPU check's tiny CPU mode end to end (gpu_bench.py with real vLLM and
+real DeepSpeed, then a short GRPO run), the MFU formula's arithmetic, the overlap report's arithmetic on a
+metrics file whose answer is known, and every bench script's --help."""
 import json
 import os
 import re
@@ -13,7 +14,7 @@ BENCH = os.path.join(ROOT, "bench")
 SCRIPTS = sorted(f for f in os.listdir(BENCH) if f.endswith(".py") and not f.startswith("_"))
 
 
-def run(*args, timeout=600):   # gpu_bench.py gives its phases TORCH_EXTENSIONS_DIR itself, as the demo does
+def run(*args, timeout=900):   # gpu_bench.py, gpu_check.py set TORCH_EXTENSIONS_DIR for their children
     p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout
@@ -31,18 +32,41 @@ def test_every_bench_has_help(script):
     assert "usage: " + script in out   # (deepspeed may print a warning first)
 
 
-def test_gpu_bench_tiny_mode_runs_on_cpu():
-    out = run("bench/gpu_bench.py", "--tiny", "--peak-tflops", "0.1")
+def test_gpu_check_tiny_mode_runs_on_cpu(tmp_path):
+    """The GPU check end to end on CPU: gpu_bench.py's tiny mode (real vLLM, real DeepSpeed), then 3 GRPO
+    steps with ref_server.py and the deepspeed launcher, whose metrics the check reads."""
+    out = run("bench/gpu_check.py", "--tiny", "--out-dir", str(tmp_path))
     (row,) = table_rows(out)
-    model, params, gen_tok_s, train_tok_s, mfu, gen_peak, train_peak = row
+    model, params, body, gen_tok_s, train_tok_s, tflops, mfu, gen_peak, train_peak = row
     assert model == "tiny" and 9 < float(params) < 11   # 151,936 x 64 embedding (tied) + two small layers
-    assert float(gen_tok_s) > 0 and float(train_tok_s) > 0 and float(mfu) > 0
+    assert float(body) == 0.1   # the two layers and the final norm: 82,624 parameters
+    assert float(gen_tok_s) > 0 and float(train_tok_s) > 0 and float(tflops) > 0 and float(mfu) > 0
     assert float(gen_peak) > 100 and float(train_peak) > 100   # MiB: a process with torch loaded
+    assert re.search(r"gpu_check OK: 3 steps; sync/logp_diff max \S+ \(tol 0\.1\)", out)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["grad_norm"] > 0 for r in rows)   # the length-dependent reward gave some group a signal
+
+
+def test_train_flops_counts_the_lm_head_on_completion_tokens_only():
+    sys.path.insert(0, BENCH)
+    from gpu_bench import body_params, train_flops
+    # 6 x (body x all tokens + lm_head on completion tokens), per sequence: 6 x (100 x 9 + 2 x 10 x 5) = 6,000
+    assert train_flops(100, 2, 10, seqs=3, prompt_len=4, new_tokens=5) == 3 * 6000
+    # a prompt token adds the body's 6 x 100 FLOPs per sequence, and no lm_head FLOPs
+    assert train_flops(100, 2, 10, 3, 5, 5) - train_flops(100, 2, 10, 3, 4, 5) == 3 * 600
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    for tied in (True, False):   # neither the embedding nor an untied lm_head counts as body
+        config = Qwen2Config(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied)
+        model = Qwen2ForCausalLM(config)
+        total = sum(p.numel() for p in model.parameters())
+        assert body_params(model) == total - (1 if tied else 2) * 1000 * 32
 
 
 def test_overlap_report_from_a_known_metrics_file(tmp_path):
     # 4 steps of 1 s each after a 10 s first step; the trainer waits 9 s in step 1, then 0.25 s per step
-    rows = [{"step": 1, "time/elapsed_s": 10.0, "time/wait_s": 9.0, "time/gen_idle_s": 0.0, "eval/accuracy": 0.3}]
+    rows = [{"step": 1, "time/elapsed_s": 10.0, "time/wait_s": 9.0, "time/gen_idle_s": 0.0,
+             "eval/accuracy": 0.3}]
     rows += [{"step": s, "time/elapsed_s": 10.0 + s - 1, "time/wait_s": 0.25, "time/gen_idle_s": 0.5}
              for s in range(2, 6)]
     for r in rows:

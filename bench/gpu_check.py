@@ -1,0 +1,192 @@
+"""What a lent GPU machine should prove, in one command (the aim: under 10 minutes on one H100-class GPU):
+
+1. bench/gpu_bench.py at Qwen2.5-0.5B shape (vLLM sampling and the ZeRO-2 training step: tokens/s, MFU,
+   peak memory);
+2. 20 GRPO steps of the README recipe's shape (32 prompts x 8 completions, 512 + 512 tokens, micro-batch 4,
+   beta 0.04, lr 1e-6, a checkpoint at the end; 100 held-out prompts, not 500) on a randomly initialised
+   Qwen2.5-0.5B-shaped model (no download), with ref_server.py and the trainer started as the recipe starts
+   them (the trainer through the `deepspeed` launcher, the server with a token), then checks on the
+   trainer's metrics.jsonl: every step's `sync/logp_diff` (vLLM's probe log-probs against the trainer's after
+   the weight push) is at most --sync-tol, every loss and gradient norm is finite, at least one step trained,
+   and the saved weights differ from the starting ones. (At lr 1e-6 a step moves the weights too little for
+   an engine left with the old ones to fail the probe: tests/test_vllm.py shows that a stale engine fails.)
+
+    python bench/gpu_check.py            # GPU; exits non-zero naming what failed
+    python bench/gpu_check.py --tiny     # CPU, tiny shapes, 3 steps (tests/test_bench.py)
+
+GPUs: with 3 or more, GPU 0 generates, GPU 1 serves the reference model and the rest train (the recipe's
+layout); with fewer, everything shares GPU 0 (--gen-mem 0.3 leaves room for the other two).
+
+The task is countdown (generated offline; prompts through the chat template). A random model never earns a
+task reward, so every group would have equal rewards and no step would train; instead its generation config
+lists enough extra stop tokens that completions end at random lengths (about half the limit on average), and
+DAPO's overlong penalty over the whole length (--overlong-buffer = --max-new-tokens - 1) makes each
+completion's reward depend on its length: every group has signal and every step trains.
+"""
+import argparse
+import json
+import math
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+
+from _common import ROOT, random_model
+from demo.run_demo import free_port
+from gpu_bench import CONFIGS, VOCAB
+
+# The README recipe's shape; --tiny: small enough for a CPU, with every stage still run.
+RECIPE = dict(steps=20, prompts_per_step=32, group_size=8, max_new_tokens=512, max_prompt_len=512,
+              micro_batch=4, eval_size=100)
+TINY = dict(steps=3, prompts_per_step=2, group_size=2, max_new_tokens=16, max_prompt_len=512, micro_batch=2,
+            eval_size=4)
+
+
+def padded_tokenizer(vocab):
+    """The demo's character tokenizer with filler tokens up to `vocab` entries, so that vLLM can detokenize
+    any id a model of Qwen2.5's vocabulary samples. Encoding never yields a filler (one character a token)."""
+    import string
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from demo.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS, TAG_TOKENS
+    words = SPECIAL_TOKENS + TAG_TOKENS + ["<unk>"] + list(string.printable)
+    words += [f"<x{i}>" for i in range(vocab - len(words))]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens(TAG_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   unk_token="<unk>", chat_template=CHAT_TEMPLATE)
+
+
+def build_model(path, config, s, gpu):
+    """A random model of `config`'s shape with a tokenizer of its vocabulary, whose generation stops with
+    probability about 2 / max_new_tokens per token (the module docstring says why)."""
+    from transformers import GenerationConfig
+    random_model(path, dtype="bfloat16" if gpu else "float32", vocab=VOCAB,
+                 max_len=s["max_prompt_len"] + s["max_new_tokens"], **CONFIGS[config])
+    tok = padded_tokenizer(VOCAB)
+    tok.save_pretrained(path)
+    n_stop = 2 * VOCAB // s["max_new_tokens"]
+    GenerationConfig(eos_token_id=[tok.eos_token_id] + list(range(VOCAB - n_stop, VOCAB)),
+                     pad_token_id=tok.pad_token_id).save_pretrained(path)
+
+
+def layout(gpus):
+    """-> (generation GPU, reference GPU, training GPUs), as the machine counts them."""
+    if gpus >= 3:
+        return 0, 1, list(range(2, gpus))
+    return 0, 0, [0]
+
+
+def run_grpo(a, s, model, out, gpus):
+    """ref_server.py and the trainer, started together as the README recipe starts them; -> seconds taken."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "REF_SERVER_TOKEN": secrets.token_hex(16),
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                  os.path.join(sys.prefix, "torch_extensions"))}
+    url = f"http://127.0.0.1:{free_port()}"
+    server_cmd = [sys.executable, "ref_server.py", "--model", model, "--port", url.rsplit(":", 1)[1],
+                  "--checkpoint-dir", out]
+    deepspeed = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or "deepspeed"
+    train_cmd = [deepspeed, "--master_port", str(free_port()), "grpo_train.py", "--model", model,
+                 "--task", "countdown", "--rewards", "countdown,format:0.5", "--out-dir", out,
+                 "--ref-url", url, "--lr", str(a.lr), "--beta", "0.04", "--eval-every", "25",
+                 "--save-every", "50", "--sync-tol", str(a.sync_tol),
+                 "--overlong-buffer", str(s["max_new_tokens"] - 1)]
+    train_cmd += [arg for k, v in s.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
+    server_env, train_env = dict(env), dict(env)
+    if gpus:
+        gen, ref, train = layout(gpus)
+        server_cmd += ["--device", "cuda:0"]
+        server_env["CUDA_VISIBLE_DEVICES"] = str(ref)
+        train_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, train))
+        train_cmd += ["--gen-device", str(gen), "--gen-mem", "0.85" if gpus >= 3 else "0.3"]
+    else:   # the launcher needs --num_gpus on a CPU machine; one thread per process on shared cores
+        server_cmd += ["--device", "cpu", "--threads", "1"]
+        train_cmd[1:1] = ["--num_gpus", "1"]
+        train_cmd += ["--threads", "1"]
+    print("gpu_check:", " ".join(server_cmd), "&\ngpu_check:", " ".join(train_cmd), flush=True)
+    t = time.time()
+    server = subprocess.Popen(server_cmd, cwd=ROOT, env=server_env)
+    try:
+        run = subprocess.Popen(train_cmd, cwd=ROOT, env=train_env, start_new_session=True)
+        try:
+            while run.poll() is None:
+                if server.poll() is not None:
+                    raise SystemExit(f"gpu_check: ref_server.py exited with code {server.returncode}")
+                time.sleep(1)
+        finally:
+            if run.poll() is None:   # the launcher's whole group: deepspeed's runner does not pass signals on
+                os.killpg(run.pid, 15)
+                run.wait(timeout=60)
+        if run.returncode:
+            raise SystemExit(f"gpu_check: grpo_train.py failed (exit code {run.returncode}); "
+                             f"its output is above")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return time.time() - t
+
+
+def check_run(out, model, steps, tol):
+    """-> the summary line; raises SystemExit naming the first thing that is wrong."""
+    from safetensors.torch import load_file
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    problems = []
+    if [r["step"] for r in rows] != list(range(1, steps + 1)):
+        problems.append(f"metrics.jsonl has steps {[r['step'] for r in rows]}, not 1..{steps}")
+    for r in rows:
+        if not r["sync/logp_diff"] <= tol:   # `not <=`: a NaN fails too
+            problems.append(f"step {r['step']}: sync/logp_diff {r['sync/logp_diff']} > {tol}: "
+                            f"the weights did not land")
+        if not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])):
+            problems.append(f"step {r['step']}: loss {r['loss']}, grad_norm {r['grad_norm']}")
+    if not any(r["grad_norm"] > 0 for r in rows):
+        problems.append("no step trained (every gradient norm is 0: no group had reward signal)")
+    start, end = load_file(os.path.join(model, "model.safetensors")), load_file(
+        os.path.join(out, f"step_{steps}", "model.safetensors"))
+    moved = max((end[k].float() - start[k].float()).abs().max().item() for k in start)
+    if not moved > 0:
+        problems.append(f"the checkpoint of step {steps} holds the starting weights")
+    if problems:
+        raise SystemExit("gpu_check FAILED: " + "; ".join(problems))
+    losses = [r["loss"] for r in rows]
+    return (f"{len(rows)} steps; sync/logp_diff max {max(r['sync/logp_diff'] for r in rows):.3g} "
+            f"(tol {tol}); loss {min(losses):+.4g} .. {max(losses):+.4g}; steps that trained "
+            f"{sum(r['grad_norm'] > 0 for r in rows)}; largest weight change {moved:.3g}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes and 3 steps, on CPU (the test suite)")
+    p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "gpu_check"), help="model, run and logs")
+    p.add_argument("--lr", type=float, default=1e-6, help="the recipe's learning rate")
+    p.add_argument("--sync-tol", type=float, default=0.1,
+                   help="largest sync/logp_diff allowed (the trainer's default)")
+    p.add_argument("--no-bench", action="store_true", help="skip bench/gpu_bench.py")
+    a = p.parse_args()
+    import torch
+    gpus = torch.cuda.device_count()
+    s, config = (TINY, "tiny") if a.tiny else (RECIPE, "qwen2.5-0.5b")
+    t0 = time.time()
+    if not a.no_bench:
+        bench = [sys.executable, "bench/gpu_bench.py"] + (["--tiny", "--peak-tflops", "0.1"] if a.tiny else
+                                                          ["--models", config])
+        print("gpu_check:", " ".join(bench), flush=True)
+        if subprocess.run(bench, cwd=ROOT).returncode:
+            raise SystemExit("gpu_check FAILED: bench/gpu_bench.py (its output is above)")
+    out = os.path.abspath(a.out_dir)
+    shutil.rmtree(out, ignore_errors=True)   # a fresh run: the checks read this run's metrics only
+    model = os.path.join(out, "model")
+    build_model(model, config, s, gpus > 0)
+    took = run_grpo(a, s, model, os.path.join(out, "run"), gpus)
+    print(f"gpu_check OK: {check_run(os.path.join(out, 'run'), model, s['steps'], a.sync_tol)}; "
+          f"GRPO run {took:.0f} s, all {time.time() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
