@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # DeepSpeed JIT-compiles a shared-memory op at its first init_distributed (~1 min): keep it in the venv.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
-.PHONY: demo test bwrap
+.PHONY: demo test bwrap gpu-check
 
 $(VENV)/.installed: requirements-cpu.txt requirements-dev.txt
 	python3 -m venv $(VENV)
@@ -27,3 +27,8 @@ bwrap:
 		echo "bwrap is missing: install the package 'bubblewrap' (sudo apt-get install bubblewrap," \
 		     "or dnf/pacman/zypper install bubblewrap); the code reward and its tests need it" >&2; exit 1; \
 	fi
+
+# On a GPU machine, with requirements.txt installed in the active python: gpu_bench.py and 20 steps of the
+# README recipe's shape on a random Qwen2.5-0.5B-shaped model (bench/README.md, "The GPU check").
+gpu-check:
+	python bench/gpu_check.py

@@ -1,6 +1,6 @@
 """Throughput and memory at real model sizes, for a machine with a CUDA GPU: vLLM sampling tokens/s, and
 tokens/s and MFU of the GRPO training step (grpo_train.completion_logps + grpo_train.grpo_loss, forward +
-backward + step through DeepSpeed ZeRO-2 built by plumbing.build_engine with --ds-config, world size 1), with
+backward + step through DeepSpeed ZeRO-2 built by run_setup.build_engine with --ds-config, world size 1), with
 each phase's peak memory.
 
     python bench/gpu_bench.py                                   # Qwen2.5-0.5B and 1.5B shapes, on GPU 0
@@ -91,13 +91,12 @@ def train(a, path):
     import deepspeed
     import torch
     from grpo_train import completion_logps, grpo_loss
-    from plumbing import build_engine, load_model
+    from run_setup import build_engine, load_policy
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
     deepspeed.init_distributed()
-    ns = argparse.Namespace(model=path, grad_ckpt=a.grad_ckpt, ds_config=os.path.join(ROOT, a.ds_config),
-                            micro_batch=a.micro_batch, lr=1e-6)
-    engine = build_engine(ns, load_model(ns)[0])
+    model = load_policy(path, a.grad_ckpt)[0]
+    engine = build_engine(model, os.path.join(ROOT, a.ds_config), lr=1e-6, micro_batch=a.micro_batch)
     dev, B, mb, T = engine.device, a.batch, a.micro_batch, a.new_tokens
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (B, a.prompt_len + T), generator=g).to(dev)

@@ -4,8 +4,8 @@
                to disk): one POST /logps of --seqs sequences of --prompt-len + --completion-len tokens
                through the trainer's client, against the same compute_logps in this process, same device.
   --part sync  the weight paths from the trainer to the generation process, per state dict (tied embeddings
-               once): today's path is GPU -> shared CPU memory (unpinned, weight_sync.WeightSync.push) and
-               shared memory -> the engine's GPU on load; the process-group path broadcasts each tensor from
+               once): the previous path was GPU -> shared CPU memory (unpinned, the old weight_sync.py) and
+               shared memory -> the engine's GPU on load; today's process-group path broadcasts each tensor from
                the trainer's rank 0 to the generation process. NCCL refuses two ranks on one GPU, so on a
                one-GPU machine that path is estimated from its parts: pinned vs unpinned GPU <-> CPU copies,
                a gloo broadcast of the CPU state dict between two processes, and a device-to-device copy.
@@ -102,7 +102,7 @@ def part_sync(a, config):
     row = lambda what, s: rows.append([config, what, f"{1000 * s:.1f}", f"{gb / s:.1f} GB/s"])
     if gpu:
         src = {n: torch.randn(s, dtype=torch.bfloat16, device="cuda") for n, s in shp.items()}
-        dst = {"unpinned shared CPU memory (today's WeightSync buffers)":
+        dst = {"unpinned shared CPU memory (the previous WeightSync buffers)":
                {n: torch.empty(s, dtype=torch.bfloat16).share_memory_() for n, s in shp.items()},
                "pinned CPU memory":
                {n: torch.empty(s, dtype=torch.bfloat16).pin_memory() for n, s in shp.items()}}

@@ -86,9 +86,9 @@ def measure(size, a):
         for n, p in params:
             buffers[n].copy_(p)
     copy_into(floor), copy_into(shared)   # warm-up (first touch of every page)
-    out = {"params": n_params(model), "bytes": sum(p.numel() * p.element_size() for _, p in params),
-           "copy": timed(lambda: copy_into(floor), a.reps)[0], "shm": timed(lambda: copy_into(shared), a.reps)[0]}
-    del floor, shared
+    out = {"params": n_params(model), "bytes": sum(p.numel() * p.element_size() for _, p in params)}
+    out["copy"], out["shm"] = (timed(lambda: copy_into(buffers), a.reps)[0] for buffers in (floor, shared))
+    floor.clear(), shared.clear()   # their memory, before the receivers start
 
     probe_ids = list(range(10, 74))
     ids = torch.tensor([probe_ids])

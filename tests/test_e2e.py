@@ -100,6 +100,10 @@ def test_update_does_not_depend_on_world_size_or_micro_batches(tmp_path, demo_mo
     moved = max((one[k] - start[k]).abs().max().item() for k in start)
     assert moved > 1e-4   # the step did something
     for k in start:
+        # the keys' bias shifts every score of a query equally, which softmax ignores: its gradient is 0 in
+        # exact arithmetic, and Adam turns the rounding noise left there into steps of any size up to lr
+        if "k_proj.bias" in k:
+            continue
         # elements with a near-zero gradient feel Adam's eps: a tolerance of 1% of the step, not 0.1%
         assert (one[k] - two[k]).abs().max().item() < 1e-2 * moved, k
 
@@ -198,7 +202,10 @@ def test_reference_refresh_makes_the_reference_the_policy(tmp_path, demo_model):
     kl = {r["step"]: r["kl"] for r in rows}
     assert kl[3] < 1e-7 and kl[5] < 1e-7, kl
     assert kl[2] > 1e-5 and kl[4] > 1e-5, kl
-    assert (tmp_path / "step_2" / "model.safetensors").exists() and (tmp_path / "step_4").exists()
+    # --keep-checkpoints 2 kept the newest two, step 4 (the reference) and 5; step 2 went once step 4 replaced
+    # it as the reference
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_4", "step_5"]
+    assert (tmp_path / "step_4" / "model.safetensors").exists()
 
 
 # ----------------------------------------------------------------------------- the real tasks, on the tiny model
