@@ -39,11 +39,22 @@ def vllm_dtype(model_dtype):
     return str(model_dtype).removeprefix("torch.")
 
 
-def weight_group(store, rank, device):
-    """The two-member group that carries weights: NCCL for CUDA tensors, gloo for CPU ones."""
-    if device.type == "cuda":
-        return dist.ProcessGroupNCCL(store, rank, 2)
-    return dist.ProcessGroupGloo(store, rank, 2, GROUP_TIMEOUT)
+def weight_backend(gen_device):
+    """NCCL between two GPUs; gloo over CPU tensors on CPU, or where vLLM shares rank 0's GPU (NCCL
+    refuses two ranks on one device: a one-GPU check, not a real run)."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    own = int(visible.split(",")[local]) if visible else local
+    return "gloo" if own == gen_device else "nccl"
+
+
+def weight_group(store, rank, backend):
+    """The two-member group that carries weights -> (group, the device its tensors live on)."""
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, 2), torch.device("cuda", torch.cuda.current_device())
+    return dist.ProcessGroupGloo(store, rank, 2, GROUP_TIMEOUT), torch.device("cpu")
 
 
 def send_weights(group, tensors, check_alive):
@@ -110,7 +121,7 @@ def held_out_eval(llm, samples, max_new_tokens, spec):
             "eval/format": mean([format_reward(t, s) for t, s in zip(texts, samples)])}
 
 
-def _serve(rollout, engine_kw, store_port, train_set, eval_set, seed, data_pos, max_new_tokens, reward_spec,
+def _serve(rollout, engine_kw, backend, store_port, train_set, eval_set, seed, data_pos, max_new_tokens, reward_spec,
            sync_tol, control, results):
     """The generation process's main loop. On any error it dies with a traceback on stderr; rank 0 notices.
     (VLLM_ENABLE_V1_MULTIPROCESSING=0 in its environment: the engine in this process, 3 s to start, not 20.)"""
@@ -119,10 +130,9 @@ def _serve(rollout, engine_kw, store_port, train_set, eval_set, seed, data_pos, 
     results.put({"kind": "hello", "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
     # a resumed run reseeds (seed + data_pos): vLLM's RNG cannot be saved from outside
     llm = LLM(seed=seed + data_pos, **engine_kw)
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=GROUP_TIMEOUT)
     store.set("generation_ready", "1")
-    group = weight_group(store, 1, device)
+    group, device = weight_group(store, 1, backend)
     order = shuffled_forever(len(train_set), seed, skip=data_pos)   # resume: after the trained prompts
 
     def next_prompts(n):
@@ -197,8 +207,9 @@ class GenerationProcess:
         ctx = mp.get_context("spawn")
         self.control, self.results = ctx.Queue(), ctx.Queue()
         spec = parse_reward_spec(rewards)
+        self.backend = weight_backend(device)
         self.proc = ctx.Process(target=_serve, daemon=True, args=(
-            rollout, engine_kw, self.store.port, train_set, eval_set, seed, data_pos, max_len[1], spec,
+            rollout, engine_kw, self.backend, self.store.port, train_set, eval_set, seed, data_pos, max_len[1], spec,
             sync_tol, self.control, self.results))
         # the child sees exactly its own GPU, whatever this process has initialised; set in the
         # environment it is spawned with, not inside it, where an import may already have used CUDA
@@ -247,7 +258,7 @@ class GenerationProcess:
             while not self.store.check(["generation_ready"]):
                 self.check_alive()
                 time.sleep(0.05)
-            self.group = weight_group(self.store, 0, engine.device)
+            self.group, self.group_device = weight_group(self.store, 0, self.backend)
         ids = torch.tensor([self.probe_ids], device=engine.device)
         with torch.no_grad():
             probe = completion_logps(model, ids, torch.ones_like(ids), len(self.probe_ids) - 1)[0]
@@ -256,7 +267,7 @@ class GenerationProcess:
         self.control.put({"kind": "weights", "version": self.version, "evaluate": evaluate,
                           "probe_ids": self.probe_ids, "probe_logps": probe.tolist(),
                           "params": [(n, list(p.shape), vllm_dtype(p.dtype)) for n, p in params]})
-        send_weights(self.group, [p.detach() for _, p in params], self.check_alive)
+        send_weights(self.group, [p.detach().to(self.group_device) for _, p in params], self.check_alive)
         self.opt_steps_at[self.version], self.step_at[self.version] = engine.global_steps, step
 
     def _request(self):

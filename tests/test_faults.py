@@ -86,7 +86,7 @@ def _receive_one_tensor_then_die(port):
     import torch
     import torch.distributed as dist
     from generation import weight_group
-    group = weight_group(dist.TCPStore("127.0.0.1", port, is_master=False), 1, torch.device("cpu"))
+    group = weight_group(dist.TCPStore("127.0.0.1", port, is_master=False), 1, "gloo")[0]
     group.broadcast(torch.empty(4), 0).wait()
     os._exit(3)
 
@@ -102,7 +102,7 @@ def test_weight_push_notices_a_generation_process_that_dies_mid_push():
                           timeout=datetime.timedelta(seconds=60))
     child = mp.get_context("spawn").Process(target=_receive_one_tensor_then_die, args=(store.port,), daemon=True)
     child.start()
-    group = weight_group(store, 0, torch.device("cpu"))
+    group = weight_group(store, 0, "gloo")[0]
     checks = []
 
     def check_alive():
@@ -115,6 +115,22 @@ def test_weight_push_notices_a_generation_process_that_dies_mid_push():
     assert child.exitcode == 3
     # whether gloo noticed the closed connection first or the liveness check did, the push stopped
     assert "died (exit code 3)" in str(e.value) or "onnection" in str(e.value), str(e.value)
+
+
+def test_weights_go_over_nccl_between_two_gpus_and_gloo_otherwise(monkeypatch):
+    """The backend rule, on a pretend GPU machine (torch.cuda.is_available is the one thing patched): NCCL
+    when vLLM has a GPU of its own, gloo over CPU tensors when it shares rank 0's (NCCL refuses that) or
+    on CPU."""
+    import torch
+    from generation import weight_backend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,4")
+    monkeypatch.setenv("LOCAL_RANK", "1")   # this rank trains on GPU 3
+    assert (weight_backend(0), weight_backend(3)) == ("nccl", "gloo")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")   # every GPU visible: local rank 1 is GPU 1
+    assert (weight_backend(0), weight_backend(1)) == ("nccl", "gloo")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert weight_backend(0) == "gloo"
 
 
 def rows_of(out_dir):
