@@ -127,7 +127,7 @@ def _serve(rollout, engine_kw, backend, store_port, train_set, eval_set, seed, d
     (VLLM_ENABLE_V1_MULTIPROCESSING=0 in its environment: the engine in this process, 3 s to start, not 20.)"""
     from vllm import LLM
     parent = os.getppid()
-    results.put({"kind": "hello", "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
+    print(f"generation process: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
     # a resumed run reseeds (seed + data_pos): vLLM's RNG cannot be saved from outside
     llm = LLM(seed=seed + data_pos, **engine_kw)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=GROUP_TIMEOUT)
@@ -232,8 +232,6 @@ class GenerationProcess:
         self.group, self.ahead, self.requested, self.version, self.evals = None, ahead, 0, -1, []
         # per pushed version: the optimizer steps behind it (policy_lag) and its training step (evals)
         self.opt_steps_at, self.step_at = {}, {}
-        hello = self._receive()
-        print(f"generation process: CUDA_VISIBLE_DEVICES={hello['cuda_visible_devices']}", flush=True)
 
     def check_alive(self):
         if not self.proc.is_alive():
