@@ -44,31 +44,14 @@ TINY = dict(steps=3, prompts_per_step=2, group_size=2, max_new_tokens=16, max_pr
             eval_size=4)
 
 
-def padded_tokenizer(vocab):
-    """The demo's character tokenizer with filler tokens up to `vocab` entries, so that vLLM can detokenize
-    any id a model of Qwen2.5's vocabulary samples. Encoding never yields a filler (one character a token)."""
-    import string
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from demo.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS, TAG_TOKENS
-    words = SPECIAL_TOKENS + TAG_TOKENS + ["<unk>"] + list(string.printable)
-    words += [f"<x{i}>" for i in range(vocab - len(words))]
-    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    tok.add_tokens(TAG_TOKENS)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   unk_token="<unk>", chat_template=CHAT_TEMPLATE)
-
-
 def build_model(path, config, s, gpu):
     """A random model of `config`'s shape with a tokenizer of its vocabulary, whose generation stops with
     probability about 2 / max_new_tokens per token (the module docstring says why)."""
     from transformers import GenerationConfig
+    from demo.tiny_model import build_tokenizer
     random_model(path, dtype="bfloat16" if gpu else "float32", vocab=VOCAB,
                  max_len=s["max_prompt_len"] + s["max_new_tokens"], **CONFIGS[config])
-    tok = padded_tokenizer(VOCAB)
+    tok = build_tokenizer(size=VOCAB)
     tok.save_pretrained(path)
     n_stop = 2 * VOCAB // s["max_new_tokens"]
     GenerationConfig(eos_token_id=[tok.eos_token_id] + list(range(VOCAB - n_stop, VOCAB)),

@@ -23,10 +23,13 @@ CHAT_TEMPLATE = (
 DEMO = dict(hidden=128, layers=2, heads=4, steps=1200, lr=2e-3, batch_size=32)
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character, plus the special tokens as single tokens."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + TAG_TOKENS + ["<unk>"] + list(string.printable))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+def build_tokenizer(size=None) -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character, plus the special tokens as single tokens; `size`: filler
+    tokens up to that many entries (so vLLM can detokenize any id a bigger model samples; encoding never
+    yields one)."""
+    words = SPECIAL_TOKENS + TAG_TOKENS + ["<unk>"] + list(string.printable)
+    words += [f"<x{i}>" for i in range((size or 0) - len(words))]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIAL_TOKENS)
