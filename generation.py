@@ -121,8 +121,8 @@ def held_out_eval(llm, samples, max_new_tokens, spec):
             "eval/format": mean([format_reward(t, s) for t, s in zip(texts, samples)])}
 
 
-def _serve(rollout, engine_kw, backend, store_port, train_set, eval_set, seed, data_pos, max_new_tokens, reward_spec,
-           sync_tol, control, results):
+def _serve(rollout, engine_kw, backend, store_port, train_set, eval_set, seed, data_pos, max_new_tokens,
+           reward_spec, sync_tol, control, results):
     """The generation process's main loop. On any error it dies with a traceback on stderr; rank 0 notices.
     (VLLM_ENABLE_V1_MULTIPROCESSING=0 in its environment: the engine in this process, 3 s to start, not 20.)"""
     from vllm import LLM
