@@ -265,7 +265,13 @@ class GenerationProcess:
         self.control.put({"kind": "weights", "version": self.version, "evaluate": evaluate,
                           "probe_ids": self.probe_ids, "probe_logps": probe.tolist(),
                           "params": [(n, list(p.shape), vllm_dtype(p.dtype)) for n, p in params]})
-        send_weights(self.group, [p.detach().to(self.group_device) for _, p in params], self.check_alive)
+        try:
+            send_weights(self.group, [p.detach().to(self.group_device) for _, p in params], self.check_alive)
+        except RuntimeError:
+            # gloo can see the connection close before the process is reaped: name the death if it was one
+            self.proc.join(timeout=5)
+            self.check_alive()
+            raise
         self.opt_steps_at[self.version], self.step_at[self.version] = engine.global_steps, step
 
     def _request(self):
