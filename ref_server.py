@@ -463,8 +463,8 @@ def checkpoint_files(path, root, served_config) -> tuple[str, list[str]]:
     elif os.path.lexists(os.path.join(folder, "model.safetensors")):
         shards = ["model.safetensors"]
     else:
-        raise WireError(f"{path!r} has no safetensors weights (model.safetensors or its index); pickle "
-                        "checkpoints (.bin, .pt) are never loaded: they can run code", 422)
+        raise WireError(f"{path!r} has no safetensors weights (model.safetensors or its index); .bin "
+                        "and .pt checkpoints are never loaded: they can run code", 422)
     # os.path.join keeps an absolute shard name as it is: _inside still checks it
     return folder, files + [_inside(os.path.join(folder, s), root) for s in shards]
 
