@@ -125,15 +125,13 @@ def build_engine(model, ds_config_path, lr, micro_batch):
 
 def load_prompts(task, tok, *, data, seed, max_prompt_len, eval_size, prompt_key, answer_key):
     """-> (train samples, held-out samples, number of prompts skipped for being over max_prompt_len).
-    Each sample gets its prompt's token ids ("prompt_ids"), which vLLM is given."""
+    Each sample has its prompt's token ids ("prompt_ids", from drop_long_prompts), which vLLM is given."""
     load = lambda split: load_task(task, split, data=data, seed=seed, tokenizer=tok, prompt_key=prompt_key,
                                    answer_key=answer_key)
     train_set, too_long = drop_long_prompts(load("train"), tok, max_prompt_len)
     eval_set = drop_long_prompts(load("test"), tok, max_prompt_len)[0][:eval_size]
     if not train_set:
         raise SystemExit(f"grpo_train.py: every prompt of --task {task} is longer than --max-prompt-len")
-    for s in train_set + eval_set:
-        s["prompt_ids"] = tok(s["prompt"], add_special_tokens=False)["input_ids"]
     return train_set, eval_set, too_long
 
 

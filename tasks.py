@@ -35,10 +35,11 @@ def shuffled_forever(n: int, seed: int, skip: int = 0):
 
 
 def drop_long_prompts(samples: list[dict], tokenizer, max_len: int) -> tuple[list[dict], int]:
-    """-> (samples whose prompt is at most max_len tokens, number skipped). Never truncates: a cut prompt
-    would ask another question."""
-    n_tokens = lambda s: len(tokenizer(s["prompt"], add_special_tokens=False)["input_ids"])
-    kept = [s for s in samples if n_tokens(s) <= max_len]
+    """-> (samples whose prompt is at most max_len tokens, each with its token ids as "prompt_ids", which vLLM
+    is given; number skipped). Never truncates: a cut prompt would ask another question."""
+    tokenized = [{**s, "prompt_ids": tokenizer(s["prompt"], add_special_tokens=False)["input_ids"]}
+                 for s in samples]
+    kept = [s for s in tokenized if len(s["prompt_ids"]) <= max_len]
     return kept, len(samples) - len(kept)
 
 

@@ -150,7 +150,9 @@ def test_countdown_checker_never_raises():
 def test_long_prompts_are_skipped_and_counted_never_truncated():
     samples = [{"prompt": "x" * n, "answer": "1"} for n in (3, 10, 4, 5, 11)]   # one token per character
     kept, skipped = tasks.drop_long_prompts(samples, TOK, max_len=4)
-    assert kept == [samples[0], samples[2]] and skipped == 3   # untouched, not truncated
+    ids = lambda s: TOK(s["prompt"], add_special_tokens=False)["input_ids"]
+    # untouched, not truncated, with the token ids that were measured
+    assert kept == [{**s, "prompt_ids": ids(s)} for s in (samples[0], samples[2])] and skipped == 3
 
 
 # ------------------------------------------------------------------------ --task custom: the user's own data
