@@ -233,9 +233,9 @@ def main(args):
     if master_process:
         gen = GenerationProcess(
             partial(rollout, args=args), train_set, eval_set, model=args.model, dtype=model.dtype,
-            device=args.gen_device, mem=args.gen_mem, kv_gb=args.gen_kv_gb, seed=args.seed,
+            device=args.gen_device, mem=args.gen_mem, kv_gb=args.gen_kv_gb, threads=args.threads,
             data_pos=state["data_pos"], max_len=(args.max_prompt_len, args.max_new_tokens),
-            rewards=args.rewards, sync_tol=args.sync_tol, ahead=args.max_staleness)
+            rewards=args.rewards, sync_tol=args.sync_tol, ahead=args.max_staleness, seed=args.seed)
         log = MetricsLog(args.out_dir, state["step"], args.tensorboard, args.eval_only)
     if args.beta > 0 and not args.eval_only:
         check_reference(args.ref_url, args.ref_wait, model, state["ref"], args.model)

@@ -38,7 +38,8 @@ def add_system_args(p):
     g.add_argument("--max-staleness", type=int, default=1,
                    help="batches vLLM may sample ahead of training (0: on-policy, no overlap)")
     g.add_argument("--max-skips", type=int, default=3, help="stop after this many non-finite steps in a row")
-    g.add_argument("--threads", type=int, default=1, help="torch threads per training rank (CPU)")
+    g.add_argument("--threads", type=int, default=1,
+                   help="torch threads of each training rank and of the generation process (CPU)")
     g.add_argument("--dist-timeout", type=float, default=60,
                    help="minutes a collective may wait (rank 0 waits for vLLM's start and evaluations)")
     g = p.add_argument_group("evaluation, logging and checkpoints")

