@@ -14,9 +14,9 @@ waits for the batch being generated to finish. `ahead` 0 asks for each batch aft
 
 Weights cross in a two-member torch.distributed group of their own (rank 0 of the trainer = 0, this
 process = 1), built from a TCPStore, apart from the trainer's group: NCCL between the two GPUs on GPUs,
-gloo on CPU, the same code. The weights cross in flat buckets (one collective each, not one per tensor),
-received just before vLLM's weight loader asks for them, so the process never holds a second copy of the
-model, only one bucket.
+gloo on CPU, the same code. Small weights cross together in flat buckets (one collective each, not one
+per tensor) and a bigger one alone, each received just before vLLM's weight loader asks for it, so the
+process never holds a second copy of the model, only one bucket.
 """
 import datetime
 import os

@@ -698,3 +698,28 @@ def test_client_retries_until_a_restarted_server_answers(tmp_path, tiny_model, m
                                    rtol=0)
     finally:
         stop_server(proc, log)
+
+
+def test_client_retries_an_answer_cut_short(capsys):
+    """A server killed mid-answer leaves a 200 cut short: after its status line (no headers at all), or in
+    its body. Either is a failed attempt the client retries and reports, never a body it decodes. The peer
+    here is a plain socket that answers so, in turn (the real server dies in that window only by chance)."""
+    import socket
+    listener = socket.create_server(("127.0.0.1", 0))
+    answers = [b"HTTP/1.0 200 OK\r\n",
+               b"HTTP/1.0 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: 80\r\n\r\n0123"]
+
+    def serve():
+        for i in range(6):
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answers[i % 2])
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    with pytest.raises(RefServerError, match="failed after [2-6] attempts"):
+        ref_server._call("POST", url + "/logps", b"body", None, timeout=10, retry_for=1.0, backoff=0.1)
+    err = capsys.readouterr().err
+    assert "(HTTP 200 cut short (0 bytes, None announced)); retrying" in err, err
+    assert "ChunkedEncodingError" in err, err
+    listener.close()
