@@ -81,8 +81,9 @@ def send_weights(group, tensors, device, check_alive, bucket_bytes=BUCKET_BYTES,
     if not), so a receiver that died never hangs the trainer."""
     works = []
     for idx in buckets([(t.numel(), t.dtype) for t in tensors], bucket_bytes):
-        flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx]) if len(idx) > 1 else tensors[idx[0]]
-        works.append(group.broadcast(flat.detach().reshape(-1).to(device), 0))
+        parts = [tensors[i].detach().reshape(-1) for i in idx]
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        works.append(group.broadcast(flat.to(device), 0))
         if len(works) > in_flight:
             _wait(works[-in_flight - 1], check_alive)
     for work in works[-in_flight:]:

@@ -189,16 +189,17 @@ def _error_text(r) -> str:
 def _call(method, endpoint, body=None, headers=None, *, timeout, retry_for, backoff):
     """One request with retries: connection errors, answers cut short and 5xx are retried, sleeping
     backoff * 1, 2, 4, ... seconds (at most 30 s each) for up to `retry_for` seconds in all, so a server that
-    restarts is waited for; each retry says so on stderr. A 4xx raises at once (the request itself is wrong; 413 = split the batch).
-    A read timeout is not retried either: the server is alive but slow, and a resend would queue a second
-    copy."""
+    restarts is waited for; each retry says so on stderr. A 4xx raises at once (the request itself is wrong;
+    413 = split the batch). A read timeout is not retried either: the server is alive but slow, and a resend
+    would queue a second copy."""
     deadline, attempt, last = time.monotonic() + retry_for, 0, None
     while True:
         try:
             r = _session().request(method, endpoint, data=body, headers=headers, timeout=timeout)
             # a server killed mid-answer can leave a 200 cut short, even before its Content-Length header
-            if r.status_code == 200 and r.headers.get("Content-Length") != str(len(r.content)):
-                last = f"HTTP 200 cut short ({len(r.content)} bytes, {r.headers.get('Content-Length')} announced)"
+            announced = r.headers.get("Content-Length")
+            if r.status_code == 200 and announced != str(len(r.content)):
+                last = f"HTTP 200 cut short ({len(r.content)} bytes, {announced} announced)"
             elif r.status_code < 500:
                 break
             else:

@@ -1,4 +1,5 @@
-"""Helpers shared by bench/generation.py, ref_overhead.py, weight_sync.py, overlap.py and gpu_bench.py."""
+"""Helpers shared by bench/generation.py, ref_overhead.py, weight_sync.py, overlap.py, gpu_bench.py,
+gpu_check.py and trl_compare.py."""
 import os
 import platform
 import statistics
@@ -47,6 +48,15 @@ def random_model(out, dtype="float32", seed=0, **shape):
 
 def n_params(model):
     return sum(p.numel() for p in model.parameters())   # tied embeddings count once
+
+
+def stop_at_random_lengths(path, eos_id, pad_id, vocab, max_new_tokens):
+    """Save a generation config in `path` whose extra stop tokens (the vocabulary's last 2 * vocab /
+    max_new_tokens ids) end a random model's completions at random lengths, about half the limit on average."""
+    from transformers import GenerationConfig
+    n_stop = 2 * vocab // max_new_tokens
+    GenerationConfig(eos_token_id=[eos_id] + list(range(vocab - n_stop, vocab)),
+                     pad_token_id=pad_id).save_pretrained(path)
 
 
 def timed(fn, reps):

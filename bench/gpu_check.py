@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from _common import ROOT, random_model
+from _common import ROOT, random_model, stop_at_random_lengths
 from demo.run_demo import free_port
 from gpu_bench import CONFIGS, VOCAB
 
@@ -47,15 +47,12 @@ TINY = dict(steps=3, prompts_per_step=2, group_size=2, max_new_tokens=16, max_pr
 def build_model(path, config, s, gpu):
     """A random model of `config`'s shape with a tokenizer of its vocabulary, whose generation stops with
     probability about 2 / max_new_tokens per token (the module docstring says why)."""
-    from transformers import GenerationConfig
     from demo.tiny_model import build_tokenizer
     random_model(path, dtype="bfloat16" if gpu else "float32", vocab=VOCAB,
                  max_len=s["max_prompt_len"] + s["max_new_tokens"], **CONFIGS[config])
     tok = build_tokenizer(size=VOCAB)
     tok.save_pretrained(path)
-    n_stop = 2 * VOCAB // s["max_new_tokens"]
-    GenerationConfig(eos_token_id=[tok.eos_token_id] + list(range(VOCAB - n_stop, VOCAB)),
-                     pad_token_id=tok.pad_token_id).save_pretrained(path)
+    stop_at_random_lengths(path, tok.eos_token_id, tok.pad_token_id, VOCAB, s["max_new_tokens"])
 
 
 def layout(gpus):

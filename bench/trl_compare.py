@@ -526,11 +526,10 @@ def stop_at_random_lengths(model):
     does all its work (the Adam update included), and the lengths, so the work per step, stay where they
     started instead of collapsing as the policy learns that shorter is better (at 3e-4 the mean length fell
     from 4.9 to 1.4 tokens in 6 steps)."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer
+    from _common import stop_at_random_lengths as save_stop_config
     tok = AutoTokenizer.from_pretrained(model)
-    n_stop = 2 * len(tok) // SHARED["max_new_tokens"]
-    GenerationConfig(eos_token_id=[tok.eos_token_id] + list(range(len(tok) - n_stop, len(tok))),
-                     pad_token_id=tok.pad_token_id).save_pretrained(model)
+    save_stop_config(model, tok.eos_token_id, tok.pad_token_id, len(tok), SHARED["max_new_tokens"])
 
 
 if __name__ == "__main__":

@@ -102,7 +102,8 @@ def measure(size, a):
         check = lambda: None if proc.is_alive() else sys.exit("the receiver died")
         times = []
         for rep in range(a.reps + 1):   # the first is a warm-up
-            t = timed(lambda: (send_weights(group, [p for _, p in params], torch.device("cpu"), check), group.barrier().wait()), 1)[0]
+            push = lambda: send_weights(group, [p for _, p in params], torch.device("cpu"), check)
+            t = timed(lambda: (push(), group.barrier().wait()), 1)[0]
             times.append(t)
             if model_path:
                 got = torch.tensor(json.loads(store.get("probe")))
