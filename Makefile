@@ -29,6 +29,6 @@ bwrap:
 	fi
 
 # On a GPU machine, with requirements.txt installed in the active python: gpu_bench.py and 20 steps of the
-# README recipe's shape on a random Qwen2.5-0.5B-shaped model (bench/README.md, "The GPU check").
+# GPU recipe's shape on a random Qwen2.5-0.5B-shaped model (docs/gpu.md, "The GPU check").
 gpu-check:
 	python bench/gpu_check.py

@@ -2,7 +2,7 @@
     python ref_server.py --model runs/demo/model --device cpu &
     deepspeed --num_gpus 1 grpo_train.py --model runs/demo/model --task demo --rewards demo
 
-The choices of one step (README "GRPO variants": the flags that change them):
+The choices of one step (docs/variants.md: the flags that change them):
  1. Rollout: vLLM samples G completions per prompt, with each token's log-prob under the policy
     that sampled it (the behaviour, "old", policy): weights one push old, as vLLM samples the
     next batch while the trainer trains on this one.

@@ -1,4 +1,4 @@
-"""The metrics of a GRPO run: what each step logs (README, "Metrics", lists every key), how the ranks' sums
+"""The metrics of a GRPO run: what each step logs (docs/metrics.md lists every key), how the ranks' sums
 are combined, the run's counters, and the metrics file. grpo_train.py uses it; read that first."""
 import json
 import math

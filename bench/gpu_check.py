@@ -2,14 +2,15 @@
 
 1. bench/gpu_bench.py at Qwen2.5-0.5B shape (vLLM sampling and the ZeRO-2 training step: tokens/s, MFU,
    peak memory);
-2. 20 GRPO steps of the README recipe's shape (32 prompts x 8 completions, 512 + 512 tokens, micro-batch 4,
-   beta 0.04, lr 1e-6, a checkpoint at the end; 100 held-out prompts, not 500) on a randomly initialised
-   Qwen2.5-0.5B-shaped model (no download), with ref_server.py and the trainer started as the recipe starts
-   them (the trainer through the `deepspeed` launcher, the server with a token), then checks on the
-   trainer's metrics.jsonl: every step's `sync/logp_diff` (vLLM's probe log-probs against the trainer's after
-   the weight push) is at most --sync-tol, every loss and gradient norm is finite, at least one step trained,
-   and the saved weights differ from the starting ones. (At lr 1e-6 a step moves the weights too little for
-   an engine left with the old ones to fail the probe: tests/test_vllm.py shows that a stale engine fails.)
+2. 20 GRPO steps of the GPU recipe's shape (docs/gpu.md: 32 prompts x 8 completions, 512 + 512 tokens,
+   micro-batch 4, beta 0.04, lr 1e-6, a checkpoint at the end; 100 held-out prompts, not 500) on a randomly
+   initialised Qwen2.5-0.5B-shaped model (no download), with ref_server.py and the trainer started as the
+   recipe starts them (the trainer through the `deepspeed` launcher, the server with a token), then checks on
+   the trainer's metrics.jsonl: every step's `sync/logp_diff` (vLLM's probe log-probs against the trainer's
+   after the weight push) is at most --sync-tol, every loss and gradient norm is finite, at least one step
+   trained, and the saved weights differ from the starting ones. (At lr 1e-6 a step moves the weights too
+   little for an engine left with the old ones to fail the probe: tests/test_vllm.py shows that a stale engine
+   fails.)
 
     python bench/gpu_check.py            # GPU; exits non-zero naming what failed
     python bench/gpu_check.py --tiny     # CPU, tiny shapes, 3 steps (tests/test_bench.py)
@@ -37,7 +38,7 @@ from _common import ROOT, random_model, stop_at_random_lengths
 from demo.run_demo import free_port
 from gpu_bench import CONFIGS, VOCAB
 
-# The README recipe's shape; --tiny: small enough for a CPU, with every stage still run.
+# The GPU recipe's shape (docs/gpu.md); --tiny: small enough for a CPU, with every stage still run.
 RECIPE = dict(steps=20, prompts_per_step=32, group_size=8, max_new_tokens=512, max_prompt_len=512,
               micro_batch=4, eval_size=100)
 TINY = dict(steps=3, prompts_per_step=2, group_size=2, max_new_tokens=16, max_prompt_len=512, micro_batch=2,
@@ -63,7 +64,8 @@ def layout(gpus):
 
 
 def run_grpo(a, s, model, out, gpus):
-    """ref_server.py and the trainer, started together as the README recipe starts them; -> seconds taken."""
+    """ref_server.py and the trainer, started together as the GPU recipe (docs/gpu.md) starts them;
+    -> seconds taken."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "REF_SERVER_TOKEN": secrets.token_hex(16),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                   os.path.join(sys.prefix, "torch_extensions"))}

@@ -1,8 +1,8 @@
 """What moving tensors costs on a GPU machine, at Qwen2.5 sizes (random weights, bf16 on GPU, no download):
 
-  --part ref   ref_server.py on --device (started as the README recipe starts it, on a random model saved
-               to disk): one POST /logps of --seqs sequences of --prompt-len + --completion-len tokens
-               through the trainer's client, against the same compute_logps in this process, same device.
+  --part ref   ref_server.py on --device (started as the GPU recipe in docs/gpu.md starts it, on a random
+               model saved to disk): one POST /logps of --seqs sequences of --prompt-len + --completion-len
+               tokens through the trainer's client, against the same compute_logps in this process, same device.
   --part sync  the weight paths from the trainer to the generation process, per state dict (tied embeddings
                once): the previous path was GPU -> shared CPU memory (unpinned, the old weight_sync.py) and
                shared memory -> the engine's GPU on load; today's process-group path broadcasts each tensor from

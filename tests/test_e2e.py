@@ -112,7 +112,7 @@ def test_update_does_not_depend_on_world_size_or_micro_batches(tmp_path, demo_mo
 
 
 def test_two_nodes_take_the_same_step_as_one_node_with_two_ranks(tmp_path, demo_model):
-    """More than one node, as the README launches it: a hostfile, one deepspeed launcher per node with
+    """More than one node, as docs/gpu.md launches it: a hostfile, one deepspeed launcher per node with
     --no_ssh and its --node_rank, the master's address. Here both "nodes" are this machine (loopback), one
     rank each; the step must equal the one-node, two-rank step (test above: that equals one rank's)."""
     hostfile = tmp_path / "hostfile"

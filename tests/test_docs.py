@@ -1,0 +1,285 @@
+"""The documentation (issue 23): README.md is read in five minutes (at most 15,000 characters), links every
+page of docs/, every relative link lands, and every command in README.md and docs/*.md still runs as written.
+
+The commands are the shell lines of fenced code blocks (no language, or sh/bash/shell/console) and the inline
+code spans of two words or more that begin with python, deepspeed, make or pip (a span with "[" is a
+synopsis, not a command).
+How each is checked, on this CPU machine:
+- `python SCRIPT ...`, `python -m MODULE ...` and `deepspeed [launcher flags] SCRIPT ...`: the launcher's
+  flags go through DeepSpeed's own launcher parser, the script's through the script's own argparse parser
+  (the script runs as __main__ until it calls parse_args, then stops; abbreviations refused), so a
+  renamed or removed flag, or a bad value for a typed flag, fails. A `...` stands for flags left out: it is dropped, and the parse then
+  does not demand required flags. `--help` runs this way too, to the end. Scripts under tools/ run for
+  real (they are cheap); `python -c CODE` is compiled (its imports may need a GPU).
+- `make TARGET`: `make -n TARGET` (the recipe is printed, not run).
+- `pip install -r FILE`: the file exists.
+- Every command's tokens that name a repository file (ending .py, .json, .txt, .md, .sh, .toml, .yaml):
+  the file exists.
+Other commands (export, echo, ds_report, ...) need a GPU machine, the network or a shell: not checked.
+docs/pending/ holds other branches' drafts, not pages: it is not read.
+"""
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import runpy
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+README_LIMIT = 15_000
+SHELL_LANGUAGES = {"", "sh", "bash", "shell", "console"}
+COMMAND_WORDS = {"python", "python3", "deepspeed", "make", "pip", "pip3"}
+# shlex's operators that end a simple command ("(" and ")" come from "$(...)")
+SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", "\n"}
+REDIRECTS = {">", ">>", "<", "2>", "&>"}
+REPO_FILE = re.compile(r"^[\w./-]+\.(py|json|txt|md|sh|toml|yaml|yml)$")
+ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+FENCE = re.compile(r"^```(\S*)[^\n]*\n(.*?)^```", re.M | re.S)
+
+
+def fenced_commands(text):
+    """(line number, one shell line: continuations joined) for each line of the shell blocks."""
+    for block in FENCE.finditer(text):
+        if block.group(1).lower() not in SHELL_LANGUAGES:
+            continue
+        first = text.count("\n", 0, block.start(2)) + 1
+        lines = block.group(2).split("\n")
+        i = 0
+        while i < len(lines):
+            start, line = i, lines[i]
+            while line.rstrip().endswith("\\") and i + 1 < len(lines):
+                i += 1
+                line = line.rstrip()[:-1] + " " + lines[i]
+            if line.strip():
+                yield first + start, line.strip()
+            i += 1
+
+
+def inline_commands(text):
+    """(line number, command) for each inline code span outside the fenced blocks that begins with a
+    command word; a span broken over two lines is one command."""
+    prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    for span in re.finditer(r"(?<!`)`([^`]+)`(?!`)", prose):
+        command = " ".join(span.group(1).split())
+        words = command.split()
+        if len(words) > 1 and words[0] in COMMAND_WORDS and "[" not in command:
+            yield text.count("\n", 0, span.start()) + 1, command
+
+
+def simple_commands(line):
+    """The simple commands of a shell line, each a list of words without its leading VAR=value
+    assignments and redirections; comments dropped."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands, words, tokens = [], [], list(lexer)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token in SEPARATORS:
+            commands.append(words)
+            words = []
+        elif token in REDIRECTS:
+            i += 1
+        elif not (ENV_ASSIGNMENT.match(token) and not words):
+            words.append(token)
+        i += 1
+    commands.append(words)
+    return [c for c in commands if c]
+
+
+def all_commands():
+    """(id, words) for every checkable command of README.md and docs/*.md."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for line_no, line in [*fenced_commands(text), *inline_commands(text)]:
+            for words in simple_commands(line):
+                if words[0] in COMMAND_WORDS:
+                    found.append((f"{page.relative_to(ROOT)}:{line_no}:{' '.join(words)[:60]}", words))
+    return found
+
+
+def parse_job(words):
+    """The flag check of a python/deepspeed command as a job for the child process, or None when the
+    command has no flags to parse there (python -c, tools/, a script without argparse)."""
+    partial = "..." in words
+    words = [w for w in words if w != "..."]
+    if words[0] == "deepspeed":
+        return {"launcher": words[1:], "partial": partial}
+    args = words[1:]
+    if args[:1] == ["-c"]:
+        return None
+    if args[:1] == ["-m"]:
+        module, argv = args[1], args[2:]
+        path = ROOT / (module.replace(".", "/") + ".py")
+    else:
+        path, argv, module = ROOT / args[0], args[1:], None
+    if path.parent == ROOT / "tools" or not path.is_file() or "ArgumentParser" not in path.read_text():
+        return None
+    return {"script": str(path), "module": module, "argv": argv, "partial": partial}
+
+
+class _Parsed(Exception):
+    """Raised from parse_args: the flags parsed, stop before the script does any work."""
+
+
+def _check_flags(job):
+    """In the child: -> None if the job's flags parse, else what the parser said."""
+    if "launcher" in job:
+        from deepspeed.launcher.runner import parse_args as launcher_parse_args
+        try:
+            launcher = launcher_parse_args(job["launcher"])
+        except SystemExit as e:
+            return f"the deepspeed launcher refused its flags (exit status {e.code})"
+        job = {"script": str(ROOT / launcher.user_script), "module": None, "argv": launcher.user_args,
+               "partial": job["partial"]}
+        if not os.path.isfile(job["script"]):
+            return f"the launcher's script {launcher.user_script} does not exist"
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(parser, args=None, namespace=None):
+        # a flag renamed to a longer name must fail, not pass as its abbreviation
+        parser.allow_abbrev = False
+        if job["partial"]:
+            for action in parser._actions:
+                action.required = False
+        original(parser, args, namespace)
+        raise _Parsed()
+
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [job["script"], *job["argv"]]
+    sys.path[:0] = [os.path.dirname(job["script"]), str(ROOT)]
+    argparse.ArgumentParser.parse_args = parse_then_stop
+    try:
+        if job["module"]:
+            runpy.run_module(job["module"], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(job["script"], run_name="__main__")
+        return "the script never called ArgumentParser.parse_args"
+    except _Parsed:
+        return None
+    except SystemExit as e:
+        return None if e.code in (0, None) else f"exit status {e.code}"
+    finally:
+        argparse.ArgumentParser.parse_args = original
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def child_main():
+    """Parses each job of stdin (a JSON list) in this one process, so the scripts' imports (torch, vLLM,
+    DeepSpeed) are paid once; prints a JSON list of [error or null, what the parser printed]."""
+    os.chdir(ROOT)
+    results = []
+    for job in json.load(sys.stdin):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            error = _check_flags(job)
+        results.append([error, out.getvalue()[-2000:]])
+    sys.stdout.write("\n" + json.dumps(results))
+
+
+def run_parse_jobs(jobs):
+    p = subprocess.run([sys.executable, "-c", "from test_docs import child_main; child_main()"],
+                       input=json.dumps(jobs), capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(p.stdout.rsplit("\n", 1)[-1])
+
+
+COMMANDS = all_commands()
+# Two commands no parser may accept: the check must fail them, or it checks nothing.
+BROKEN = [["python", "grpo_train.py", "--model", "m", "--no-such-flag"],
+          ["deepspeed", "--num_gpus", "1", "grpo_train.py", "--model", "m", "--steps", "many"]]
+
+
+@pytest.fixture(scope="module")
+def parsed():
+    """{job as JSON: [error or None, output]} for every flag check, all run in one child process."""
+    jobs = [job for _, words in COMMANDS if (job := parse_job(words))]
+    jobs += [parse_job(words) for words in BROKEN]
+    unique = list({json.dumps(j, sort_keys=True): j for j in jobs}.values())
+    return dict(zip([json.dumps(j, sort_keys=True) for j in unique], run_parse_jobs(unique)))
+
+
+def test_readme_is_read_in_five_minutes():
+    size = len(README.read_text())
+    assert size <= README_LIMIT, f"README.md has {size:,} characters (at most {README_LIMIT:,})"
+
+
+def test_readme_links_every_docs_page():
+    readme = README.read_text()
+    assert PAGES[1:], "docs/ has no pages"
+    missing = [p.name for p in PAGES[1:] if f"(docs/{p.name})" not in readme]
+    assert not missing, f"README.md does not link {missing}"
+
+
+def github_anchor(heading):
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_land(page):
+    """Every relative link of a page names a file that exists and, with #anchor, one of its headings."""
+    text = FENCE.sub("", page.read_text())
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"^[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        path = (page.parent / file).resolve() if file else page
+        if not path.exists():
+            bad.append(f"{target}: no such file")
+        elif anchor and path.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", FENCE.sub("", path.read_text()), re.M)
+            if anchor not in {github_anchor(h) for h in headings}:
+                bad.append(f"{target}: no such heading")
+    assert not bad, bad
+
+
+def test_the_commands_are_found():
+    """The extraction finds the README's own commands (an empty list would pass every check below)."""
+    found = {" ".join(words[:3]) for _, words in COMMANDS}
+    assert {"make demo", "make test"} <= found
+    assert any(words[0] == "deepspeed" and "grpo_train.py" in words for _, words in COMMANDS)
+    assert any(words[:2] == ["python", "ref_server.py"] for _, words in COMMANDS)
+
+
+def test_a_broken_command_fails_the_check(parsed):
+    for words in BROKEN:
+        error, output = parsed[json.dumps(parse_job(words), sort_keys=True)]
+        assert error and "usage:" in output, (words, error, output)
+
+
+@pytest.mark.parametrize("words", [w for _, w in COMMANDS], ids=[i for i, _ in COMMANDS])
+def test_command_runs_as_written(words, parsed):
+    named = [w.split("=")[-1] for w in words]
+    missing = [f for f in named if REPO_FILE.match(f) and not (ROOT / f).exists()]
+    assert not missing, f"{' '.join(words)}: no such file {missing}"
+    if words[0] == "make":
+        if shutil.which("make") is None:
+            pytest.skip("no make on this machine")
+        p = subprocess.run(["make", "-n", *words[1:]], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stdout + p.stderr
+    elif words[0] in ("pip", "pip3"):
+        for flag, value in zip(words, words[1:]):
+            if flag in ("-r", "--requirement"):
+                assert (ROOT / value).is_file(), f"{' '.join(words)}: no {value}"
+    elif words[0] in ("python", "python3") and words[1:2] == ["-c"]:
+        compile(words[2], "<python -c>", "exec")
+    elif words[0] in ("python", "python3") and words[1].startswith("tools/"):
+        p = subprocess.run([sys.executable, *words[1:]], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stdout + p.stderr
+    elif (job := parse_job(words)) is not None:
+        error, output = parsed[json.dumps(job, sort_keys=True)]
+        assert error is None, f"{' '.join(words)}: {error}\n{output}"
