@@ -8,9 +8,10 @@ How each is checked, on this CPU machine:
 - `python SCRIPT ...`, `python -m MODULE ...` and `deepspeed [launcher flags] SCRIPT ...`: the launcher's
   flags go through DeepSpeed's own launcher parser, the script's through the script's own argparse parser
   (the script runs as __main__ until it calls parse_args, then stops; abbreviations refused), so a
-  renamed or removed flag, or a bad value for a typed flag, fails. A `...` stands for flags left out: it is dropped, and the parse then
-  does not demand required flags. `--help` runs this way too, to the end. Scripts under tools/ run for
-  real (they are cheap); `python -c CODE` is compiled (its imports may need a GPU).
+  renamed or removed flag, or a bad value for a typed flag, fails. A `...` stands for flags left out: it
+  is dropped, and the parse then does not demand required flags. `--help` runs this way too, to the end.
+  Scripts under tools/ run for real (they are cheap); `python -c CODE` is compiled (its imports may need a
+  GPU).
 - `make TARGET`: `make -n TARGET` (the recipe is printed, not run).
 - `pip install -r FILE`: the file exists.
 - Every command's tokens that name a repository file (ending .py, .json, .txt, .md, .sh, .toml, .yaml):
@@ -175,9 +176,10 @@ def _check_flags(job):
         sys.argv, sys.path[:] = saved_argv, saved_path
 
 
-def child_main():
+def child_main(results_path):
     """Parses each job of stdin (a JSON list) in this one process, so the scripts' imports (torch, vLLM,
-    DeepSpeed) are paid once; prints a JSON list of [error or null, what the parser printed]."""
+    DeepSpeed) are paid once; writes a JSON list of [error or null, what the parser printed] to
+    results_path (not stdout, where the libraries may print too)."""
     os.chdir(ROOT)
     results = []
     for job in json.load(sys.stdin):
@@ -185,15 +187,17 @@ def child_main():
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             error = _check_flags(job)
         results.append([error, out.getvalue()[-2000:]])
-    sys.stdout.write("\n" + json.dumps(results))
+    Path(results_path).write_text(json.dumps(results))
 
 
-def run_parse_jobs(jobs):
-    p = subprocess.run([sys.executable, "-c", "from test_docs import child_main; child_main()"],
+def run_parse_jobs(jobs, tmp_path):
+    results = tmp_path / "parsed.json"
+    child = f"from test_docs import child_main; child_main({str(results)!r})"
+    p = subprocess.run([sys.executable, "-c", child],
                        input=json.dumps(jobs), capture_output=True, text=True, cwd=ROOT, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return json.loads(p.stdout.rsplit("\n", 1)[-1])
+    assert p.returncode == 0 and results.exists(), p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(results.read_text())
 
 
 COMMANDS = all_commands()
@@ -203,12 +207,12 @@ BROKEN = [["python", "grpo_train.py", "--model", "m", "--no-such-flag"],
 
 
 @pytest.fixture(scope="module")
-def parsed():
+def parsed(tmp_path_factory):
     """{job as JSON: [error or None, output]} for every flag check, all run in one child process."""
     jobs = [job for _, words in COMMANDS if (job := parse_job(words))]
     jobs += [parse_job(words) for words in BROKEN]
-    unique = list({json.dumps(j, sort_keys=True): j for j in jobs}.values())
-    return dict(zip([json.dumps(j, sort_keys=True) for j in unique], run_parse_jobs(unique)))
+    unique = {json.dumps(j, sort_keys=True): j for j in jobs}
+    return dict(zip(unique, run_parse_jobs(list(unique.values()), tmp_path_factory.mktemp("docs"))))
 
 
 def test_readme_is_read_in_five_minutes():
