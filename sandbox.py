@@ -4,11 +4,11 @@ no project module.
 
 The jail is bubblewrap (`bwrap`, Debian's `bubblewrap`, the sandbox Flatpak uses), one per completion: new
 user, PID, network, IPC, UTS and mount namespaces; a root file system holding only /usr and the Python
-installation, read-only; a 16 MiB tmpfs as the working folder (/tmp); its own /proc (its own processes only,
-read-only: /proc/sys is the host's kernel settings) and a minimal, read-only /dev; an empty environment; no new
-user namespaces; and a seccomp filter that refuses every new process (fork, vfork, clone without
-CLONE_THREAD; clone3 answers ENOSYS so that threads fall back to clone), the kernel keyring and a few calls
-only exploits use. The completion runs as "nobody" (JAIL_ID), inside the jail and on the host, with no
+installation, read-only; a 16 MiB tmpfs as the working folder (/tmp); its own /proc (its own processes
+only, read-only: /proc/sys is the host's kernel settings) and a minimal, read-only /dev; an empty
+environment; no new user namespaces; and a seccomp filter that refuses every new process (fork, vfork,
+clone without CLONE_THREAD; clone3 answers ENOSYS so that threads fall back to clone), the kernel keyring
+and a few calls only exploits use. The completion runs as "nobody" (JAIL_ID), inside the jail and on the host, with no
 capability: when the trainer is root, a first bwrap of root's own (root_stage) starts the jail's bwrap through
 setpriv as that user, since bwrap started by root keeps the jail root on the host. The project, the trainer's
 environment and files, other processes and the network are not in the jail at all.

@@ -463,6 +463,7 @@ def test_the_judge_keeps_pythons_types():
             "def point():\n    return P(1, 2)\n"
             "def misc():\n    return [1.0, frozenset({3}), b'x', None, True, 2j, {(1, 'a'): ()}, set()]")
     tests = ["assert unique([3, 1, 2, 1]) == [1, 2, 3]", "assert counts() == {1: 2}",
-             "assert point() == (1, 2)", "assert misc() == [1, {3}, b'x', None, 1, 2j, {(1, 'a'): ()}, set()]"]
+             "assert point() == (1, 2)",
+             "assert misc() == [1, {3}, b'x', None, 1, 2j, {(1, 'a'): ()}, set()]"]
     assert sandbox.run_tests(code, tests) == 2
     assert sandbox.run_tests(code, tests[2:]) == 2
