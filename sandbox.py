@@ -10,8 +10,8 @@ environment; no new user namespaces; and a seccomp filter that refuses every new
 clone without CLONE_THREAD; clone3 answers ENOSYS so that threads fall back to clone), the kernel keyring
 and a few calls only exploits use. The completion runs as "nobody" (JAIL_ID), inside the jail and on the
 host, with no capability: when the trainer is root, a first bwrap of root's own (root_stage) starts the
-jail's bwrap through setpriv as that user, since bwrap started by root keeps the jail root on the host. The project, the trainer's
-environment and files, other processes and the network are not in the jail at all.
+jail's bwrap through setpriv as that user, since bwrap started by root keeps the jail root on the host.
+The project, the trainer's environment and files, other processes and the network are not in the jail.
 A trusted prologue sets resource limits (CPU seconds, address space, file size, open files, tasks, no core
 dumps) before the completion runs; the wall clock is watched from outside, and at `timeout_s` (checked before
 every read) or 1 MiB of output the jail is killed whole (its PID namespace dies with it, and with the trainer:
