@@ -525,7 +525,9 @@ def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, max_
 
     def checked_body():
         """The request body, after the token and Content-Length checks (4xx on failure)."""
-        auth = bottle.request.get_header("Authorization", "").encode()
+        # the raw WSGI value (PEP 3333: bytes as latin-1): bottle's get_header re-decodes it as UTF-8 and
+        # answers non-UTF-8 bytes with a 500
+        auth = bottle.request.environ.get("HTTP_AUTHORIZATION", "").encode("latin-1")
         if token and not hmac.compare_digest(auth, f"Bearer {token}".encode()):
             bottle.abort(401, "missing or wrong bearer token")
         length = bottle.request.environ.get("CONTENT_LENGTH", "")
@@ -563,7 +565,7 @@ def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, max_
         body = checked_body()
         try:
             path = json.loads(body)["path"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: deeply nested JSON
             path = None
         if not isinstance(path, str) or not path:
             bottle.abort(400, 'expected a JSON body {"path": "..."}')

@@ -173,3 +173,51 @@ def test_size_claims_are_checked_not_allocated(body):
     with pytest.raises(WireError, match="safetensors") as e:
         decode_request(body, **LIMITS)
     assert "\n" not in str(e.value) and len(str(e.value)) < 300  # torch's C++ backtrace is cut off
+
+
+@pytest.fixture(scope="module")
+def live_app():
+    """A real server (the one main() runs: ThreadingWSGIServer, QuietHandler) with a token and /reload on,
+    serving the tiny model in this process."""
+    import threading
+    from wsgiref.simple_server import make_server
+
+    from demo.tiny_model import build_model, build_tokenizer
+    from ref_server import QuietHandler, ThreadingWSGIServer, make_app
+    app = make_app(build_model(build_tokenizer(), seed=0).eval(), name="tiny", max_seqs=16, max_tokens=2000,
+                   max_body=2**20, token="t", checkpoint_dir="/nonexistent", load=None)
+    untokened = make_app(build_model(build_tokenizer(), seed=0).eval(), name="tiny", max_seqs=16,
+                         max_tokens=2000, max_body=2**20)
+    servers = [make_server("127.0.0.1", 0, a, server_class=ThreadingWSGIServer, handler_class=QuietHandler)
+               for a in (app, untokened)]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    yield [f"http://127.0.0.1:{s.server_port}" for s in servers]
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(auth=st.binary(max_size=24).filter(lambda b: not set(b) & set(b"\r\n\0")),
+       path=st.sampled_from(["/logps", "/reload"]), which=st.integers(0, 1))
+def test_any_authorization_header_is_a_4xx(live_app, auth, path, which):
+    """Non-ASCII bytes in Authorization were a 500 (bottle decodes header values as UTF-8), with a token or
+    without."""
+    import requests
+    r = requests.post(live_app[which] + path, data=b"x", headers={"Authorization": b"Bearer " + auth},
+                      timeout=60)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+
+
+nested = st.integers(1, 200_000).map(lambda n: b"[" * n + b"]" * n) | st.integers(1, 200_000).map(
+    lambda n: b'{"path": ' + b'{"a": ' * n + b"1" + b"}" * n + b"}")
+
+
+@settings(max_examples=30, deadline=None, database=None)
+@given(body=nested | st.binary(max_size=64) | json_values.map(lambda v: json.dumps({"path": v}).encode()))
+def test_any_reload_body_is_a_4xx(live_app, body):
+    """A deeply nested JSON body was a 500 (json's RecursionError)."""
+    import requests
+    r = requests.post(live_app[0] + "/reload", data=body, headers={"Authorization": "Bearer t"}, timeout=60)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)

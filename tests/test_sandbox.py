@@ -2,11 +2,14 @@
 0 and leaves no file and no process behind, and nothing of the project, the trainer's environment or the
 machine's files is readable inside. Read-only escapes are also run unjailed (GRPO_UNJAILED=1), where they must
 work: that proves each one is a real attack the jail stops, not code that fails for some other reason."""
+import contextlib
 import math
 import os
+import platform
 import secrets
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -60,7 +63,7 @@ def test_every_reference_solution_passes_its_tests():
 
 
 def test_split_test():
-    assert sandbox.split_test("assert f(1, 'a') == (3, [None])") == ("f(1, 'a')", False, [3, [None]])
+    assert sandbox.split_test("assert f(1, 'a') == (3, [None])") == ("f(1, 'a')", False, (3, [None]))
     assert sandbox.split_test("assert is_even(4)") == ("is_even(4)", True, True)
     assert sandbox.split_test("assert not is_even(7)") == ("is_even(7)", True, False)
     with pytest.raises(ValueError):
@@ -274,7 +277,7 @@ def test_the_kernel_refuses_new_processes_and_sysv_memory():
             "except ValueError:\n    R.append('limit kept')")
     # EPERM twice; system(3) answers exit status 127 (32512 as a wait status): its shell never started; shmget
     # -1 with EPERM; threads still work; the prologue's limits cannot be raised
-    assert sandbox.run_tests(code, ["assert R == [1, 1, 32512, [-1, 1], 'thread', 'limit kept']"]) == 1
+    assert sandbox.run_tests(code, ["assert R == [1, 1, 32512, (-1, 1), 'thread', 'limit kept']"]) == 1
 
 
 @pytest.mark.parametrize("code,limit", [
@@ -324,3 +327,143 @@ def test_without_bwrap_the_code_reward_refuses_to_start(monkeypatch, tmp_path, c
     assert rewards.parse_reward_spec("code") == [("code", 1.0)]
     assert "WITHOUT a jail" in capsys.readouterr().err
     assert rewards.code_reward(answer(CORRECT_ADD), ADD) == 1.0
+
+
+# ------------------------------------------------------------- issue 19: never root, its own clock, types
+
+NOBODY = 65534   # the jail's user and group (sandbox.JAIL_ID)
+
+
+def test_the_completion_never_runs_as_root():
+    """bwrap started by root kept the jail's user root on the host, with every capability and a writable
+    /proc/sys: a completion set kernel.core_pattern to a shell command the kernel then ran as root. Seen from
+    inside: an unprivileged user and group, no capability, /proc/sys not writable (opened only: nothing is
+    written). Seen from the host: the jail's processes belong to that user too, not to root."""
+    code = ("import os\nIDS = [os.getuid(), os.geteuid(), os.getgid(), os.getegid(), os.getgroups()]\n"
+            "CAPS = [l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')]\n"
+            "SYSCTL = []\nfor name in ('kernel/core_pattern', 'kernel/hostname', 'vm/drop_caches'):\n"
+            "    try:\n        os.close(os.open('/proc/sys/' + name, os.O_WRONLY))\n"
+            "        SYSCTL.append('writable')\n    except OSError as e:\n        SYSCTL.append(e.errno)\n")
+    tests = [f"assert IDS == {[NOBODY] * 4 + [[]]!r}", f"assert CAPS == {['0' * 16] * 5!r}",
+             "assert 'writable' not in SYSCTL"]
+    assert sandbox.run_tests(code, tests) == 3
+
+    before, seen = descendants(), {}
+    jail = threading.Thread(target=sandbox.run_tests, args=("import time\ntime.sleep(5)", ["assert 1"]),
+                            kwargs={"timeout_s": 120})
+    jail.start()
+    try:
+        while jail.is_alive() and not seen:   # the completion's interpreter, once it runs
+            for pid in descendants() - before:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p = psutil.Process(pid)
+                    if p.cmdline()[:2] == [os.path.realpath(sys.executable), "-I"]:
+                        seen[pid] = (p.uids(), p.gids())
+            time.sleep(0.05)
+    finally:
+        jail.join()
+    assert seen, "the jail's interpreter was never seen"
+    for uids, gids in seen.values():
+        assert set(uids) == {NOBODY} and set(gids) == {NOBODY}, (uids, gids)
+
+
+def test_rlimit_nproc_binds_in_the_jail():
+    """As root RLIMIT_NPROC bound nothing: a completion held thousands of tasks (threads with small stacks,
+    within RLIMIT_AS), bounded only by the host's pid_max."""
+    code = ("import threading, time\nthreading.stack_size(1 << 15)\nSTARTED = 0\ntry:\n"
+            "    for _ in range(300):\n"
+            "        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "        STARTED += 1\nexcept RuntimeError:\n    pass\n")
+    # the threads were refused (RuntimeError), after as many as the limit allows, less the jail's own tasks
+    assert sandbox.run_tests(code, ["assert 0 < STARTED < 64"], timeout_s=60) == 1
+
+
+KEYRING = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+# add_key("user", "i19", "secret", 6, KEY_SPEC_PROCESS_KEYRING)
+KEY = libc.syscall(NR, b"user", b"i19", b"secret", 6, ctypes.c_int(-2))
+KEY = [KEY, ctypes.get_errno() if KEY < 0 else 0]
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in sandbox.SECCOMP_ARCH, reason="no seccomp filter here")
+@pytest.mark.parametrize("unjailed", [False, True])
+def test_the_kernel_keyring_is_refused(monkeypatch, unjailed):
+    """The keyring is not namespaced: a key one completion added was read by the next. Unjailed the call
+    works (a key in a keyring of that process alone), which proves the jail is what refuses it."""
+    if unjailed:
+        monkeypatch.setenv(sandbox.UNJAILED, "1")
+    nr = {"x86_64": 248, "aarch64": 217}[platform.machine()]
+    code = KEYRING.replace("NR", str(nr))
+    assert sandbox.run_tests(code, ["assert KEY[0] > 0"]) == int(unjailed)   # a key's serial number
+    assert sandbox.run_tests(code, ["assert KEY == [-1, 1]"]) == int(not unjailed)   # EPERM
+
+
+@pytest.mark.skipif(platform.machine() not in sandbox.SECCOMP_ARCH, reason="no seccomp filter here")
+def test_every_refused_system_call_gets_eperm():
+    refused = sandbox.SECCOMP_ARCH[platform.machine()][3]
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nERRNOS = []\n"
+            f"for nr in {refused!r}:\n    libc.syscall(nr, 0, 0, 0, 0, 0)\n"
+            "    ERRNOS.append(ctypes.get_errno())\n")
+    assert sandbox.run_tests(code, [f"assert ERRNOS == {[1] * len(refused)!r}"]) == 1
+
+
+class CountingClock:
+    """run_tests' clock, one second further at each look: its deadline comes after a known number of looks.
+    Each look after it is counted, and waits a moment first, so that the jail has written more by then."""
+
+    def __init__(self):
+        self.now, self.deadline, self.late = 0.0, None, 0
+
+    def monotonic(self):
+        self.now += 1
+        if self.deadline is None:   # the first look sets the deadline
+            self.deadline = self.now + TIMEOUT_LOOKS
+        if self.now >= self.deadline:
+            self.late += 1
+            time.sleep(0.2)
+        return self.now
+
+
+TIMEOUT_LOOKS = 3
+
+
+def test_run_tests_stops_reading_at_its_deadline(monkeypatch):
+    """A completion that keeps data waiting kept the reading loop going, whatever the clock said (30 s of a
+    5 s timeout, at 100% CPU, with a byte at a time). The clock is looked at before
+    every read, and nothing is read once it says the deadline has passed."""
+    clock = CountingClock()
+    monkeypatch.setattr(sandbox, "time", clock)
+    code = "import os\nwhile True:\n    os.write(1, b'x' * 65536)"   # the pipe is never empty
+    assert sandbox.run_tests(code, ADD["tests"], timeout_s=TIMEOUT_LOOKS) == 0
+    assert clock.late <= 1   # the one look that finds the deadline passed
+
+
+def test_a_result_line_cut_at_the_cap_does_not_count():
+    """Output stops at OUTPUT_CAP bytes; a result line cut there ("1" of "1000...") is not a result. The
+    completion writes exactly enough first that the cap falls after the value's first digit."""
+    ready, head = len("\n") + 32 + len(" ready\n"), len("\n") + 32 + len(" 0 ")
+    filler = sandbox.OUTPUT_CAP - ready - head - 1
+    code = (f"import os\nos.write(1, b'.' * {filler})\n"
+            "def big():\n    return 10 ** 4000")
+    assert sandbox.run_tests(code, ["assert big() == 1"], timeout_s=30) == 0
+    # the same value, whole, is read and judged
+    assert sandbox.run_tests(code.replace(f"{filler}", "1"), ["assert big() == 1"], timeout_s=30) == 0
+    assert sandbox.run_tests(code.replace(f"{filler}", "1"), ["assert big()"], timeout_s=30) == 1
+
+
+def test_the_judge_keeps_pythons_types():
+    """Equality as Python has it: a tuple is not a list, an int key not a str key; but what Python calls
+    equal still passes (a namedtuple and a tuple, 1 and 1.0, a frozenset and a set)."""
+    code = ("import collections\nP = collections.namedtuple('P', 'x y')\n"
+            "def unique(xs):\n    return tuple(sorted(set(xs)))\n"
+            "def counts():\n    return {'1': 2}\n"
+            "def point():\n    return P(1, 2)\n"
+            "def misc():\n    return [1.0, frozenset({3}), b'x', None, True, 2j, {(1, 'a'): ()}, set()]")
+    tests = ["assert unique([3, 1, 2, 1]) == [1, 2, 3]", "assert counts() == {1: 2}",
+             "assert point() == (1, 2)",
+             "assert misc() == [1, {3}, b'x', None, 1, 2j, {(1, 'a'): ()}, set()]"]
+    assert sandbox.run_tests(code, tests) == 2
+    assert sandbox.run_tests(code, tests[2:]) == 2
