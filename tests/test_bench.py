@@ -85,3 +85,21 @@ def test_trl_compare_uses_the_demo_settings():
     sys.path.insert(0, BENCH)
     from trl_compare import check_our_flags
     check_our_flags()
+
+
+GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k")
+
+
+def test_padding_bench_counts_less_padding_longest_first():
+    """bench/padding.py on real GSM8K lengths, tiny: 3 batches; the grouped cut pads less at 1 and 2 ranks,
+    over the same real tokens."""
+    if not os.path.isdir(GSM8K):
+        pytest.skip("no ../shared/data/gsm8k (a fresh clone has none)")
+    out = run("bench/padding.py", "--data", GSM8K, "--steps", "3", "--ranks", "1", "2", timeout=300)
+    rows = table_rows(out)
+    assert [(r[0], r[1]) for r in rows] == [("1", "in order (before)"), ("1", "longest first (after)"),
+                                            ("2", "in order (before)"), ("2", "longest first (after)")]
+    for before, after in (rows[0:2], rows[2:4]):
+        assert before[2] == after[2] and before[3] == after[3]   # micro-batches per rank, real tokens
+        assert float(after[4].rstrip("%")) < float(before[4].rstrip("%"))
+
