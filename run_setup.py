@@ -162,9 +162,14 @@ def broadcast_json(obj, device, src=0):
 
 def micro_batches(mine, seqs, world, size):
     """This rank's sequences (`mine`, every world-th of the batch `seqs`) in micro-batches, each with its weight.
-    Every rank runs as many as the busiest: ZeRO-2 reduces gradients at every backward, so a rank with none
-    left runs the batch's first sequence at weight 0."""
+    Sequences of similar length share a micro-batch, which is padded to its longest prompt and completion:
+    the rank's sequences are cut longest first (prompt + completion; ties keep the batch's order), which
+    also makes a batch too big for memory fail at its first forward. The update does not depend on the
+    cut: a micro-batch's loss is weighted by its share of the batch (tests/test_e2e.py). Every rank runs
+    as many as the busiest: ZeRO-2 reduces gradients at every backward, so a rank with none left runs the
+    batch's first sequence at weight 0."""
     n_micro = math.ceil(math.ceil(len(seqs) / world) / size)
+    mine = sorted(mine, key=lambda s: len(s["prompt"]) + len(s["completion"]), reverse=True)
     chunks = [mine[i * size:(i + 1) * size] for i in range(n_micro)]
     filler = [{**seqs[0], "ref": seqs[0]["old"]}] if seqs else []
     return [(chunk, 1.0) if chunk else (filler, 0.0) for chunk in chunks]

@@ -1,6 +1,7 @@
 """The benchmarks stay runnable: the GPU check's tiny CPU mode end to end (gpu_bench.py with real vLLM and
 real DeepSpeed, then a short GRPO run), the MFU formula's arithmetic, the overlap report's arithmetic on a
-metrics file whose answer is known, and every bench script's --help."""
+metrics file whose answer is known, the padding count on GSM8K lengths, the step-time model's arithmetic,
+and every bench script's --help."""
 import json
 import os
 import re
@@ -85,3 +86,34 @@ def test_trl_compare_uses_the_demo_settings():
     sys.path.insert(0, BENCH)
     from trl_compare import check_our_flags
     check_our_flags()
+
+
+GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k")
+
+
+def test_padding_bench_counts_less_padding_longest_first():
+    """bench/padding.py on real GSM8K lengths, tiny: 3 batches; the grouped cut pads less at 1 and 2 ranks,
+    over the same real tokens."""
+    if not os.path.isdir(GSM8K):
+        pytest.skip("no ../shared/data/gsm8k (a fresh clone has none)")
+    out = run("bench/padding.py", "--data", GSM8K, "--steps", "3", "--ranks", "1", "2", timeout=300)
+    rows = table_rows(out)
+    assert [(r[0], r[1]) for r in rows] == [("1", "in order (before)"), ("1", "longest first (after)"),
+                                            ("2", "in order (before)"), ("2", "longest first (after)")]
+    for before, after in (rows[0:2], rows[2:4]):
+        assert before[2] == after[2] and before[3] == after[3]   # micro-batches per rank, real tokens
+        assert float(after[4].rstrip("%")) < float(before[4].rstrip("%"))
+
+
+def test_step_model_arithmetic_on_known_figures():
+    """bench/step_model.py on round figures: 4 GPUs, 1000 tokens a step (500 generated), 1 reference server.
+    1 engine: gen 5 s + push 1 s is the longest stage; 2 engines: the reference's 5 s is, and on main's
+    path (ref + train + push on the trainer) the step is 8 s."""
+    out = run("bench/step_model.py", "--gpus", "4", "--engines", "1", "2", "--seqs", "10",
+              "--prompt-len", "50", "--completion-len", "50", "--gen-tok-s", "100", "--train-tok-s", "500",
+              "--ref-tok-s", "200", "--push-gb-s", "3.09", timeout=120)
+    assert table_rows(out) == [["1", "2", "5.00", "5.00", "1.00", "1.000", "7.00", "6.00", "generation"],
+                               ["2", "1", "2.50", "5.00", "2.00", "1.000", "8.00", "5.00", "reference"]]
+    # the recipe's defaults: 6, 5 and 4 training ranks beside 1, 2 and 3 engines and one reference server
+    assert [r[:2] for r in table_rows(run("bench/step_model.py", timeout=120))] == [["1", "6"], ["2", "5"],
+                                                                                  ["3", "4"]]

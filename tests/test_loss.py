@@ -1,4 +1,5 @@
-"""grpo_loss, advantages, masks and log-probs against independent references."""
+"""grpo_loss, advantages, masks and log-probs against independent references; how a batch is cut into
+micro-batches."""
 import math
 import os
 
@@ -271,3 +272,50 @@ def test_token_mean_with_mask_truncated_divides_by_the_tokens_in_the_loss():
                 (grpo_loss(logps[s], old[s], ref[s], adv[s], kept[s], **kw) for s in (slice(0, 2), slice(2, 4))))
     full, _, _ = grpo_loss(logps, old, ref, adv, kept, **kw)
     assert total == kept.sum().item() and parts.item() == pytest.approx(full.item(), rel=1e-12)
+
+
+def gsm8k_like_batch(rng, prompts=8, group_size=8):
+    """A rollout's order (a group's completions together) with GSM8K-like lengths: prompts of 60-200
+    tokens, completions log-normal around 150 tokens, at most 512."""
+    return [{"prompt": [1] * p, "completion": [1] * min(512, int(rng.lognormvariate(math.log(150), 0.5))),
+             "old": [], "id": (g, i)}
+            for g, p in enumerate(rng.randint(60, 200) for _ in range(prompts)) for i in range(group_size)]
+
+
+def padding(chunks):
+    """Padded positions of these micro-batches, as pad_batch builds them."""
+    masks = [pad_batch([s["prompt"] for s in c], [s["completion"] for s in c], 0)[1] for c, _ in chunks]
+    return sum(m.numel() - m.sum().item() for m in masks)
+
+
+@pytest.mark.parametrize("n_seqs,world,size", [(64, 1, 8), (64, 4, 8), (61, 4, 8), (64, 3, 5), (5, 4, 2),
+                                               (3, 4, 8), (7, 2, 1)])
+def test_micro_batches_keep_every_sequence_once_and_every_rank_runs_as_many(n_seqs, world, size):
+    import random
+    from run_setup import micro_batches
+    seqs = gsm8k_like_batch(random.Random(n_seqs), prompts=n_seqs, group_size=1)
+    plans = [micro_batches(seqs[rank::world], seqs, world, size) for rank in range(world)]
+    trained = sorted(s["id"] for plan in plans for chunk, weight in plan if weight for s in chunk)
+    assert trained == sorted(s["id"] for s in seqs)   # every sequence exactly once, on some rank
+    # ZeRO-2 reduces at every backward: every rank runs the same number of micro-batches, none over size;
+    # a rank with nothing left runs a weight-0 filler
+    n_micro = math.ceil(math.ceil(n_seqs / world) / size)
+    assert [len(plan) for plan in plans] == [n_micro] * world
+    assert all(0 < len(chunk) <= size and weight in (0.0, 1.0) for plan in plans for chunk, weight in plan)
+    assert all(len(chunk) == 1 for plan in plans for chunk, weight in plan if weight == 0.0)
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_micro_batches_group_similar_lengths_so_less_is_padded(world):
+    """Against cutting each rank's sequences in the batch's order (main before the grouping), on 20
+    batches of 64 sequences, micro-batch 8."""
+    import random
+    from run_setup import micro_batches
+    rng, grouped, in_order = random.Random(0), 0, 0
+    for _ in range(20):
+        seqs = gsm8k_like_batch(rng)
+        for rank in range(world):
+            mine = seqs[rank::world]
+            grouped += padding(micro_batches(mine, seqs, world, 8))
+            in_order += padding([(mine[i:i + 8], 1.0) for i in range(0, len(mine), 8)])
+    assert grouped < 0.9 * in_order, (grouped, in_order)
