@@ -27,12 +27,16 @@ it for the client (ref_logps, reload_reference, wait_for_server) and model_finge
 stay cheap: no transformers, no model, no server at the top.
 """
 import argparse
+import errno
+import functools
 import hashlib
 import hmac
+import io
 import ipaddress
 import json
 import math
 import os
+import stat
 import sys
 import threading
 import time
@@ -42,13 +46,12 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import bottle
 import requests
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as st_load, save as st_save
 
 REQUEST_KEYS = ("input_ids", "seq_lens", "prompt_lens")
 # below this, logits / T overflow float32 (1e-45 gave -inf, 1e-300 NaN); samplers treat T < 1e-3 as greedy
 MIN_TEMPERATURE = 1e-3
-# the config fields that make two checkpoints the same network (dtype, use_cache, paths differ harmlessly)
+# the config fields model_fingerprint hashes (a /reload compares the whole config: check_config)
 ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "num_key_value_heads")
 
@@ -417,102 +420,217 @@ def compute_logps(model, prompts, completions, temperature, micro_batch=8, max_f
 
 # ----------------------------------------------------------------------------- /reload's checks
 
-def _inside(path, root) -> str:
-    """realpath of `path`, which must be under `root` (realpath too): no way out through .., an absolute path
-    or a symlink, at any level of the folder or of the file."""
-    real = os.path.realpath(path)
-    if os.path.commonpath([real, root]) != root:
+# config.json fields in which a checkpoint may differ from the served config: none changes what the served
+# model computes. Every other field (to_dict(), so defaults included) must be equal, else 422.
+CONFIG_KEYS_IGNORED = (
+    "transformers_version",  # the version that wrote the file
+    "_name_or_path",  # where the model was loaded from
+    "architectures",  # a class name: the served class runs, whatever the file names
+    "dtype", "torch_dtype",  # the server's --dtype decides: the weights are converted to it
+    "use_cache",  # forward_logps passes use_cache=False
+)
+# safetensors dtype names (the format's spec) of the float types a checkpoint's weights may come in
+ST_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO never blocks
+
+
+def _open_folder(path, checkpoint_dir) -> tuple[str, int]:
+    """(absolute path, descriptor) of folder `path`, opened one component at a time from the folder of
+    `checkpoint_dir` (which `path` may name by its absolute or its real path), no component a symlink."""
+    if "\0" in path:
+        raise WireError("the path holds a NUL byte")
+    folder = os.path.abspath(path)  # lexical: '..' cannot climb out, and below the root no symlink passes
+    roots = (os.path.abspath(checkpoint_dir), os.path.realpath(checkpoint_dir))
+    root = next((r for r in roots if os.path.commonpath([folder, r]) == r), None)
+    if root is None:
         raise WireError(f"{path!r} is not under the server's --checkpoint-dir", 403)
-    return real
-
-
-def _read_json(path, what):
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise WireError(f"{what} is not readable JSON: {str(e)[:200]}", 422) from e
+        fd = os.open(roots[1], OPEN_FLAGS | os.O_DIRECTORY)
+    except OSError as e:
+        raise WireError(f"{path!r} is not a checkpoint folder (--checkpoint-dir: {e.strerror})") from e
+    for part in os.path.relpath(folder, root).split(os.sep):
+        if part == ".":
+            continue
+        parent = fd
+        try:
+            # O_NOFOLLOW refuses a symlink (swapped in after this lstat too); the lstat names the reason
+            if stat.S_ISLNK(os.stat(part, dir_fd=parent, follow_symlinks=False).st_mode):
+                raise WireError(f"{path!r} is not under the server's --checkpoint-dir: {part!r} is a "
+                                "symlink", 403)
+            fd = os.open(part, OPEN_FLAGS | os.O_DIRECTORY, dir_fd=parent)
+        except OSError as e:
+            raise WireError(f"{path!r} is not a checkpoint folder ({part!r}: {e.strerror})") from e
+        finally:
+            os.close(parent)
+    return folder, fd
+
+
+def _open_file(folder_fd, name, max_bytes) -> tuple[int, int]:
+    """(descriptor, size) of regular file `name` in the folder, not a symlink, at most `max_bytes` long.
+    Raises FileNotFoundError or WireError."""
+    if name in (".", "..") or "/" in name or "\0" in name:
+        raise WireError(f"{name!r} is not under the server's --checkpoint-dir: not a file name", 403)
+    try:
+        fd = os.open(name, OPEN_FLAGS, dir_fd=folder_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise WireError(f"{name} is not under the server's --checkpoint-dir: a symlink", 403) from e
+        raise WireError(f"{name} is not readable: {e.strerror}", 422) from e
+    st = os.fstat(fd)  # the file opened, not whatever the name points to now
+    if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+        os.close(fd)
+        raise WireError(f"{name} is not a regular file of at most {max_bytes} bytes", 422)
+    return fd, st.st_size
+
+
+def _pread(fd, n, offset, name) -> bytearray:
+    """Exactly n bytes at offset; a file shorter than its own header says (changed since) is refused."""
+    buf, got = bytearray(n), 0
+    while got < n:
+        k = os.preadv(fd, [memoryview(buf)[got:]], offset + got)
+        if k == 0:
+            raise WireError(f"{name} is shorter than its header says", 422)
+        got += k
+    return buf
+
+
+def _json_object(fd, n, offset, name) -> dict:
+    try:
+        data = json.loads(_pread(fd, n, offset, name))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise WireError(f"{name} is not readable JSON: {str(e)[:200]}", 422) from e
     if not isinstance(data, dict):
-        raise WireError(f"{what} is not a JSON object", 422)
+        raise WireError(f"{name} is not a JSON object", 422)
     return data
 
 
-def checkpoint_files(path, root, served_config) -> tuple[str, list[str]]:
-    """The folder and every file /reload will read from it (config.json, generation_config.json, the
-    safetensors index and its shards, or model.safetensors), each resolved and checked to be under `root`;
-    its config must describe the served architecture (`served_config`: a config's to_dict()).
-    Raises WireError: 400 bad path, 403 outside, 422 not a checkpoint we load."""
-    if "\0" in path:  # os.path.realpath raises on it
-        raise WireError("the path holds a NUL byte")
-    folder = _inside(path, root)
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise WireError(f"{path!r} is not a checkpoint folder (no config.json)")
-    files = [_inside(os.path.join(folder, name), root) for name in ("config.json", "generation_config.json")
-             if os.path.lexists(os.path.join(folder, name))]  # transformers 5.19 reads both when present
-    config = _read_json(files[0], "config.json")
+def check_config(config, served_config):
+    """A checkpoint's config.json (a dict) must compute what the served config (a PretrainedConfig) does:
+    read by the served config's class, it must equal it but for CONFIG_KEYS_IGNORED. Raises WireError 422."""
     if "auto_map" in config:
-        raise WireError("config.json names custom code (auto_map): the server never runs a checkpoint's code",
-                        422)
-    other = {k: config.get(k) for k in ARCH_KEYS if config.get(k) != served_config.get(k)}
+        raise WireError("config.json names custom code (auto_map): the server never runs a checkpoint's "
+                        "code", 422)
+    try:  # the served class reads it whatever its model_type says, so model_type is compared as written
+        new = type(served_config).from_dict(config).to_dict() | {"model_type": config.get("model_type")}
+    except Exception as e:  # a config class's own checks raise ValueError, TypeError, KeyError...
+        raise WireError(f"config.json is not a {served_config.model_type} config: "
+                        f"{type(e).__name__}: {str(e)[:200]}", 422) from e
+    old = served_config.to_dict()
+    other = {k: new.get(k) for k in sorted(set(new) | set(old), key=str)
+             if k not in CONFIG_KEYS_IGNORED and new.get(k) != old.get(k)}
     if other:
-        raise WireError(f"config.json describes another architecture than the served model's: {other}", 422)
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.lexists(index):
-        files.append(_inside(index, root))
-        weight_map = _read_json(files[-1], "model.safetensors.index.json").get("weight_map")
-        if not (isinstance(weight_map, dict) and weight_map
-                and all(isinstance(v, str) and v and "\0" not in v for v in weight_map.values())):
-            raise WireError("model.safetensors.index.json has no weight_map of tensor names to file names",
-                            422)
-        shards = sorted(set(weight_map.values()))
-    elif os.path.lexists(os.path.join(folder, "model.safetensors")):
-        shards = ["model.safetensors"]
-    else:
-        raise WireError(f"{path!r} has no safetensors weights (model.safetensors or its index); .bin "
-                        "and .pt checkpoints are never loaded: they can run code", 422)
-    # os.path.join keeps an absolute shard name as it is: _inside still checks it
-    return folder, files + [_inside(os.path.join(folder, s), root) for s in shards]
+        raise WireError("config.json describes another architecture than the served model's: "
+                        f"{str(other)[:300]}", 422)
 
 
-def check_weights(files, model):
-    """The tensors in the safetensors `files` (read from their headers only) must be exactly the weights of
-    `model`, with the same shapes; of weights tied to each other (an lm_head tied to the embeddings) one is
-    enough, as save_pretrained writes one. Raises WireError 422 naming what differs."""
-    shapes = {}
-    for f in (f for f in files if f.endswith(".safetensors")):
+def _planned_reads(fd, size, name, want, max_header) -> dict:
+    """Check shard `name`'s safetensors header against `want` (tensor name -> served tensor) before any
+    data is read -> {tensor name: (dtype, shape, offset, nbytes)}. Raises WireError 422."""
+    n = int.from_bytes(_pread(fd, 8, 0, name), "little") if size >= 8 else -1
+    if not 0 <= n <= min(size - 8, max_header):
+        raise WireError(f"{name} is not a readable safetensors file: bad header length", 422)
+    header = _json_object(fd, n, 8, name)
+    header.pop("__metadata__", None)
+    plan, unexpected, wrong = {}, [], []
+    for key, entry in header.items():
+        if key not in want:
+            unexpected.append(key)
+            continue
         try:
-            with safe_open(f, framework="pt") as st:  # safetensors 0.8.0: reads the header, not the data
-                shapes.update({k: list(st.get_slice(k).get_shape()) for k in st.keys()})
-        except (OSError, SafetensorError) as e:
-            raise WireError(f"{os.path.basename(f)} is not a readable safetensors file: {str(e)[:200]}",
-                            422) from e
-    groups = {}  # tied weights share their storage
-    for name, w in model.state_dict().items():
-        groups.setdefault((w.data_ptr(), tuple(w.shape)) if w.data_ptr() else name, []).append(name)
-    want = {name: list(w.shape) for name, w in model.state_dict().items()}
-    missing = [g[0] for g in groups.values() if not any(n in shapes for n in g)]
-    unexpected = sorted(set(shapes) - set(want))
-    wrong = [f"{n} {shapes[n]} (served: {want[n]})" for n in sorted(set(shapes) & set(want))
-             if shapes[n] != want[n]]
-    if missing or unexpected or wrong:
-        raise WireError(f"not a complete checkpoint of the served architecture: missing {missing[:5]}, "
-                        f"unexpected {unexpected[:5]}, other shapes {wrong[:5]}", 422)
+            dtype, shape, (begin, end) = ST_FLOATS[entry["dtype"]], entry["shape"], entry["data_offsets"]
+            ok = (shape == list(want[key].shape) and type(begin) is int and type(end) is int
+                  and 0 <= begin and end - begin == want[key].numel() * dtype.itemsize
+                  and end <= size - 8 - n)
+        except (KeyError, TypeError, ValueError):  # not a dict, an unknown or non-float dtype, ...
+            ok = False
+        if not ok:
+            got = f"{entry.get('dtype')} {entry.get('shape')}" if isinstance(entry, dict) else entry
+            wrong.append(f"{key} {str(got)[:60]} (served: {list(want[key].shape)})")
+            continue
+        plan[key] = (dtype, shape, 8 + n + begin, end - begin)
+    if unexpected or wrong:
+        raise WireError(f"{name} is not a checkpoint of the served architecture: unexpected "
+                        f"{sorted(unexpected)[:5]}, other shapes, float dtypes or offsets {wrong[:3]}", 422)
+    return plan
+
+
+def read_checkpoint(path, checkpoint_dir, model) -> tuple[str, dict]:
+    """Read checkpoint folder `path` (under `checkpoint_dir`) for the served `model` -> (its absolute path,
+    a complete state dict for model.load_state_dict, on the CPU in the model's dtypes).
+
+    Each file is opened once, without following a symlink, and checked on its descriptor; its config.json
+    must compute what the served config does (check_config); every safetensors header is checked against
+    the served tensors' names and shapes before a byte of data is read, so at most one copy of the served
+    weights is allocated, and only then. Of weights tied to each other (an lm_head tied to the embeddings)
+    one is enough, as save_pretrained writes one; with both, the first in the model's order (the input
+    embeddings) is used for all, as transformers 5.19's tie_weights does. Raises WireError: 400 not a
+    folder, 403 outside `checkpoint_dir` or a symlink, 422 not a checkpoint of the served model."""
+    state = model.state_dict()
+    max_header = 2**16 + 2**10 * len(state)  # a safetensors header or index: ~100 bytes per tensor
+    folder, folder_fd = _open_folder(path, checkpoint_dir)
+    fds = [folder_fd]
+    try:
+        try:
+            fds.append(_open_file(folder_fd, "config.json", 2**20))
+        except FileNotFoundError as e:
+            raise WireError(f"{path!r} is not a checkpoint folder (no config.json)") from e
+        check_config(_json_object(*fds[-1], 0, "config.json"), model.config)
+        try:
+            fds.append(_open_file(folder_fd, "model.safetensors.index.json", max_header))
+            index = _json_object(*fds[-1], 0, "model.safetensors.index.json")
+            shards = index.get("weight_map")
+            if not (isinstance(shards, dict) and 0 < len(set(shards.values())) <= len(state)
+                    and all(isinstance(v, str) for v in shards.values())):
+                raise WireError("model.safetensors.index.json has no weight_map of tensor names to at most "
+                                f"{len(state)} file names", 422)
+            shards = sorted(set(shards.values()))
+        except FileNotFoundError:
+            shards = ["model.safetensors"]
+        plans = {}
+        for shard in shards:
+            try:
+                fds.append(_open_file(folder_fd, shard, 2**62))
+            except FileNotFoundError as e:
+                raise WireError(f"{path!r} has no {shard} (model.safetensors or the shards its index names)"
+                                "; .bin and .pt checkpoints are never loaded: they can run code", 422) from e
+            plan = _planned_reads(*fds[-1], shard, state, max_header)
+            if twice := sorted(plan.keys() & plans.keys()):
+                raise WireError(f"{shard} holds tensors another shard holds too: {twice[:5]}", 422)
+            plans.update({key: (fds[-1][0], shard, *p) for key, p in plan.items()})
+        groups = {}  # tied weights share their storage
+        for key, w in state.items():
+            groups.setdefault((w.data_ptr(), tuple(w.shape)) if w.data_ptr() else key, []).append(key)
+        if missing := [g[0] for g in groups.values() if not any(key in plans for key in g)]:
+            raise WireError(f"not a complete checkpoint of the served architecture: missing {missing[:5]}",
+                            422)
+        weights = {}
+        for group in groups.values():
+            fd, shard, dtype, shape, offset, nbytes = plans[next(key for key in group if key in plans)]
+            # frombuffer refuses an empty buffer
+            data = torch.frombuffer(_pread(fd, nbytes, offset, shard), dtype=dtype) if nbytes else (
+                torch.empty(0, dtype=dtype))
+            weights.update(dict.fromkeys(group, data.reshape(shape).to(state[group[0]].dtype)))
+        return folder, weights
+    finally:
+        for fd in fds:
+            os.close(fd if isinstance(fd, int) else fd[0])
 
 
 # ----------------------------------------------------------------------------- the server
 
-def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, max_forward_tokens=8192,
-             token=None, checkpoint_dir=None, load=None) -> bottle.Bottle:
-    """checkpoint_dir + load(path) -> model enable POST /reload (with a token only). The app holds the model
-    only in `served`: a reload drops the last reference to the previous one."""
+def make_app(served, *, name, max_seqs, max_tokens, max_body, micro_batch=8, max_forward_tokens=8192,
+             token=None, checkpoint_dir=None) -> bottle.Bottle:
+    """checkpoint_dir enables POST /reload (with a token only), which copies a checkpoint's weights into
+    `served`: the architecture served never changes, and no second model is built."""
     app = bottle.Bottle()
     lock = threading.Lock()  # one forward (or reload) at a time; threads overlap only socket I/O and decoding
-    vocab = model.get_input_embeddings().num_embeddings
-    max_seq_len = getattr(model.config, "max_position_embeddings", None)
-    health = {"status": "ok", "model": name, "vocab_size": vocab, "fingerprint": model_fingerprint(model),
+    vocab = served.get_input_embeddings().num_embeddings
+    max_seq_len = getattr(served.config, "max_position_embeddings", None)
+    health = {"status": "ok", "model": name, "vocab_size": vocab, "fingerprint": model_fingerprint(served),
               "max_seqs": max_seqs, "max_tokens": max_tokens, "max_seq_len": max_seq_len,
               "max_body": max_body}
-    served = {"model": model}  # replaced by /reload
 
     def json_error(res):  # every error, bottle's own 404/405/500 included, as one line of JSON
         bottle.response.content_type = "application/json"
@@ -549,7 +667,7 @@ def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, max_
         except WireError as e:
             bottle.abort(e.status, str(e))
         with lock:
-            logps = compute_logps(served["model"], prompts, completions, temperature, micro_batch,
+            logps = compute_logps(served, prompts, completions, temperature, micro_batch,
                                   max_forward_tokens)
         if not all(torch.isfinite(t).all() for t in logps):  # the request was valid: the model is at fault
             bottle.abort(500, "the reference model gave non-finite log-probs (overflowing weights or dtype?)")
@@ -571,35 +689,124 @@ def make_app(model, *, name, max_seqs, max_tokens, max_body, micro_batch=8, max_
             bottle.abort(400, 'expected a JSON body {"path": "..."}')
         with lock:
             try:
-                folder, files = checkpoint_files(path, os.path.realpath(checkpoint_dir),
-                                                 served["model"].config.to_dict())
-                check_weights(files, served["model"])
+                folder, weights = read_checkpoint(path, checkpoint_dir, served)
             except WireError as e:
                 bottle.abort(e.status, str(e))
-            try:
-                new = load(folder)
-            except torch.OutOfMemoryError:
-                raise  # the server's own limit: a 500
-            except Exception as e:  # the same code loaded the served model, so the checkpoint is at fault:
-                # transformers 5.19 raises KeyError (hidden_act "nope"), ValueError, huggingface_hub's errors...
-                first_line = str(e).partition("\n")[0][:300]
-                bottle.abort(422, f"{path!r} could not be loaded: {type(e).__name__}: {first_line}")
-            served["model"] = new  # the previous model's last reference: freed here
-            health.update(model=folder, fingerprint=model_fingerprint(new))
+            # checked: same names, shapes and float dtypes as the served model's, so the copy cannot fail
+            served.load_state_dict(weights, strict=True)
+            health.update(model=folder, fingerprint=model_fingerprint(served))
         return health
 
     return app
 
 
 class ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most `max_connections` at once: one more is answered 503 and closed, so
+    connections that never finish hold a bounded number of threads (each with QuietHandler's bounds)."""
     daemon_threads = True  # a stuck client never blocks shutdown
+
+    def __init__(self, *args, max_connections=32, header_timeout=30.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections, self.header_timeout = max_connections, header_timeout
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            error = json.dumps({"error": f"more than {self.max_connections} connections at once "
+                                         "(--max-connections)"})
+            try:  # a fresh socket's send buffer takes these few bytes at once
+                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                + f"Content-Length: {len(error)}\r\n\r\n{error}".encode())
+            except OSError:  # the client is gone already
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the thread
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+class HeadTooLarge(Exception):
+    pass
+
+
+class RequestHead(io.RawIOBase):
+    """The connection's bytes as the handler's rfile reads them. Until `end()` (the request line and
+    headers parsed) at most `limit` bytes are read, by `deadline`: http.server alone reads up to 100
+    headers of 64 KiB each, a byte every `timeout` seconds keeping it waiting, all before the token is
+    checked. Raises HeadTooLarge or TimeoutError."""
+
+    def __init__(self, sock, limit, seconds):
+        self.sock, self.left, self.deadline = sock, limit, time.monotonic() + seconds
+        self.timeout = sock.gettimeout()
+
+    def readable(self):
+        return True
+
+    def readinto(self, buf):
+        if self.left is not None:
+            if self.left == 0:
+                raise HeadTooLarge
+            wait = self.deadline - time.monotonic()
+            if wait <= 0:
+                raise TimeoutError
+            self.sock.settimeout(min(wait, self.timeout))
+            buf = memoryview(buf)[:self.left]  # never buffered beyond the limit
+        n = self.sock.recv_into(buf)
+        if self.left is not None:
+            self.left -= n
+        return n
+
+    def end(self):
+        self.left = None
+        self.sock.settimeout(self.timeout)
 
 
 class QuietHandler(WSGIRequestHandler):
     timeout = 120  # seconds of socket silence before a half-sent request is dropped (frees its thread)
+    # the request line and headers, all that is read before the token is checked (a request's are < 1 KiB)
+    max_head = 2**16
     # wsgiref writes the status line, headers and body separately: with Nagle's algorithm each small write
     # waits for the ACK of the one before (TCP_NODELAY: 14-17 ms -> 5-8 ms on a demo-sized request)
     disable_nagle_algorithm = True
+    # http.server's own errors (a bad request line, 408, 431) as one line of JSON, as the app's are
+    error_message_format = '{"error": "%(message)s"}'
+    error_content_type = "application/json"
+
+    def setup(self):
+        super().setup()
+        self.rfile.close()  # the buffered file setup() made: replaced, reading through RequestHead
+        self.head = RequestHead(self.connection, self.max_head, self.server.header_timeout)
+        self.rfile = io.BufferedReader(self.head)
+
+    def handle(self):
+        try:
+            super().handle()
+        except (HeadTooLarge, TimeoutError) as e:
+            self.requestline = self.request_version = self.command = ""  # as wsgiref's handle() does
+            self.close_connection = True
+            if isinstance(e, HeadTooLarge):
+                self.send_error(431, f"request line and headers over {self.max_head} bytes")
+            else:
+                self.send_error(408, f"request line and headers not sent within "
+                                     f"{self.server.header_timeout:g}s")
+
+    def send_error(self, code, message=None, explain=None):
+        # http.server's messages quote the request line: escaped for error_message_format's JSON
+        super().send_error(code, message and json.dumps(message)[1:-1], explain)
+
+    def parse_request(self):
+        parsed = super().parse_request()
+        self.head.end()  # the body is read after the token check, within --max-body-mb
+        return parsed
 
     def log_request(self, code="-", size="-"):  # no line per request; errors are still logged
         if not str(code).startswith("2"):
@@ -626,18 +833,22 @@ def main(argv=None):
                    help="require 'Authorization: Bearer TOKEN' (default: $REF_SERVER_TOKEN, else none)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="allow POST /reload of checkpoints under this folder (needs a token)")
+    p.add_argument("--max-connections", type=int, default=32,
+                   help="most connections served at once (one more: 503); bounds memory before the token")
+    p.add_argument("--header-timeout", type=float, default=30.0,
+                   help="seconds a client has to send its request line and headers (else 408)")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without a token (only on a network you trust)")
     a = p.parse_args(argv)
     if err := exposure_error(a.host, a.token, a.insecure):
         p.error(err)  # exits with status 2, before loading anything or binding the port
     torch.set_num_threads(a.threads)  # oversubscribed shared cores make everything 10-100x slower
-    # the model goes straight into the app: a name here would keep it alive after a /reload replaces it
     app = make_app(load_model(a.model, a.device, a.dtype), name=a.model, max_seqs=a.max_seqs,
                    max_tokens=a.max_tokens, max_body=int(a.max_body_mb * 2**20), micro_batch=a.micro_batch,
-                   max_forward_tokens=a.max_forward_tokens, token=a.token, checkpoint_dir=a.checkpoint_dir,
-                   load=lambda path: load_model(path, a.device, a.dtype))
-    server = make_server(a.host, a.port, app, server_class=ThreadingWSGIServer, handler_class=QuietHandler)
+                   max_forward_tokens=a.max_forward_tokens, token=a.token, checkpoint_dir=a.checkpoint_dir)
+    server_class = functools.partial(ThreadingWSGIServer, max_connections=a.max_connections,
+                                     header_timeout=a.header_timeout)
+    server = make_server(a.host, a.port, app, server_class=server_class, handler_class=QuietHandler)
     print(f"ref_server: {a.model} on {a.device}, listening on http://{a.host}:{server.server_port}",
           flush=True)
     server.serve_forever()
