@@ -47,3 +47,10 @@ def test_ref_server_runs_on_its_own(tmp_path):
     p = subprocess.run([sys.executable, "ref_server.py", "--help"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert p.returncode == 0 and "--model" in p.stdout, p.stderr[-2000:]
+
+
+def test_ref_server_keeps_the_trainers_width():
+    """ref_server.py is read like the trainer: no line over 100 columns."""
+    with open(os.path.join(ROOT, "ref_server.py")) as f:
+        wide = [i for i, line in enumerate(f, 1) if len(line.rstrip("\n")) > 100]
+    assert not wide, f"ref_server.py lines over 100 columns: {wide}"

@@ -4,6 +4,7 @@ import gc
 import http.client
 import json
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -415,6 +416,12 @@ def test_fuzz_live_server(server_proc, server, model):
     assert "Traceback" not in server_log(server_proc[2])
 
 
+def raw_safetensors(header):
+    """A safetensors file whose header says what it likes, with no data."""
+    h = json.dumps(header).encode()
+    return len(h).to_bytes(8, "little") + h
+
+
 def bad_checkpoints(ckpts, good, outside):
     """(name, folder, status, message) for each way a /reload folder is refused. `good` is a complete checkpoint
     under `ckpts`; `outside` one outside it."""
@@ -439,6 +446,9 @@ def bad_checkpoints(ckpts, good, outside):
     (variant_link / "model.safetensors").symlink_to(outside / "model.safetensors")
     config_link = variant("config_linked_out", drop=["config.json"])
     (config_link / "config.json").symlink_to(outside / "config.json")
+    (ckpts / "link_inside").symlink_to(good)   # inside, but a symlink all the same
+    fifo = variant("fifo", drop=["model.safetensors"])
+    os.mkfifo(fifo / "model.safetensors")   # opening one for reading waited for a writer
     return [
         ("index-absolute-outside", sharded, 403, "not under"),
         ("index-dotdot-outside", variant("sharded_out_rel", drop=["model.safetensors"], files={
@@ -447,12 +457,24 @@ def bad_checkpoints(ckpts, good, outside):
         ("symlinked-weights-outside", variant_link, 403, "not under"),
         ("symlinked-config-outside", config_link, 403, "not under"),
         ("unrelated-tensor-only", variant("unrelated", files={"model.safetensors": {"x": torch.zeros(3)}}), 422,
-         "missing"),
+         "unexpected ['x']"),
         ("embeddings-only", variant("embeddings", files={"model.safetensors": embed}), 422, "missing"),
         ("extra-tensor", variant("extra", files={"model.safetensors": {**weights, "extra.bias": torch.zeros(2)}}),
          422, "unexpected ['extra.bias']"),
         ("other-shape", variant("shape", files={"model.safetensors": {
-            **weights, "model.norm.weight": torch.ones(7)}}), 422, "model.norm.weight [7]"),
+            **weights, "model.norm.weight": torch.ones(7)}}), 422, "model.norm.weight F32 [7]"),
+        ("float64-weights", variant("float64", files={"model.safetensors": {
+            k: v.double() for k, v in weights.items()}}), 422, "F64"),
+        ("int-weights", variant("int", files={"model.safetensors": {
+            **weights, "model.norm.weight": torch.ones(128, dtype=torch.int32)}}), 422, "I32"),
+        ("header-claims-huge-tensor", variant("huge", files={"model.safetensors": raw_safetensors(
+            {"model.norm.weight": {"dtype": "F32", "shape": [2**40], "data_offsets": [0, 2**42]}})}), 422,
+         "model.norm.weight F32 [1099511627776]"),
+        ("header-offsets-past-end", variant("pastend", files={"model.safetensors": raw_safetensors(
+            {"model.norm.weight": {"dtype": "F32", "shape": [128], "data_offsets": [0, 512]}})}), 422,
+         "offsets"),
+        ("folder-a-symlink-inside", ckpts / "link_inside", 403, "'link_inside' is a symlink"),
+        ("weights-a-fifo", fifo, 422, "not a regular file"),
         ("pickle-only", variant("pickle", drop=["model.safetensors"], files={"pytorch_model.bin": b"\x80\x04."}),
          422, "never loaded"),
         ("custom-code", variant("custom", config=json.dumps({**json.loads((good / "config.json").read_text()),
@@ -465,11 +487,23 @@ def bad_checkpoints(ckpts, good, outside):
             {**json.loads((good / "config.json").read_text()), "intermediate_size": 999})), 422,
          "another architecture than the served model's: {'intermediate_size': 999}"),
         ("config-unknown-activation", variant("badact", config=json.dumps(
-            {**json.loads((good / "config.json").read_text()), "hidden_act": "nope"})), 422, "could not be loaded"),
+            {**json.loads((good / "config.json").read_text()), "hidden_act": "nope"})), 422,
+         "another architecture than the served model's: {'hidden_act': 'nope'}"),
+        # fields beyond the fingerprint's: each changed what main d08f4ac served, or left lm_head random
+        *[(f"config-{key}", variant(f"cfg_{key}", config=json.dumps(
+            {**json.loads((good / "config.json").read_text()), key: value})), 422,
+           f"another architecture than the served model's: {{'{key}': {value!r}")
+          for key, value in [("rms_norm_eps", 0.5), ("max_position_embeddings", 4096),
+                             ("layer_types", ["sliding_attention"] * 2),
+                             ("rope_parameters", {"rope_theta": 1.0, "rope_type": "default"}),
+                             ("model_type", "llama"), ("attention_bias", True),
+                             # last: on main it left lm_head random and every later reload refused
+                             ("tie_word_embeddings", False)]],
         ("index-no-map", variant("nomap", drop=["model.safetensors"],
                                  files={"model.safetensors.index.json": b'{"weight_map": []}'}), 422, "weight_map"),
         ("index-missing-shard", variant("noshard", drop=["model.safetensors"], files={
-            "model.safetensors.index.json": index({k: "nope.safetensors" for k in weights})}), 422, "readable"),
+            "model.safetensors.index.json": index({k: "nope.safetensors" for k in weights})}), 422,
+         "no nope.safetensors"),
         ("weights-not-safetensors", variant("garbage", files={"model.safetensors": b"garbage"}), 422, "readable"),
         ("nul-byte", str(good) + "\0x", 400, "NUL"),
         ("empty", ckpts / "empty", 400, "not a checkpoint"),
@@ -644,22 +678,26 @@ def serve_in_thread(app):
         thread.join(10)
 
 
-def test_reload_frees_the_previous_model(tmp_path, tiny_model):
-    """After /reload nothing holds the model it replaced (two models on the reference GPU was the bug)."""
-    from transformers import AutoModelForCausalLM
-    load = lambda path: ref_server.load_model(path)
-    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(tmp_path / "step_1")
-    first = load(tiny_model)
-    gone = weakref.ref(first)
-    app = make_app(first, name="tiny", max_seqs=16, max_tokens=2000, max_body=2**20, token=TOKEN,
-                   checkpoint_dir=str(tmp_path), load=load)
-    del first
+def test_reload_builds_no_second_model(tmp_path, tiny_model):
+    """/reload copies the checked weights into the served model: no second model is ever built (two models on
+    the reference GPU was a bug), and the one served answers with the new weights."""
+    import transformers
+    new = ref_server.load_model(tiny_model)
+    with torch.no_grad():
+        new.model.norm.weight.mul_(3)
+    new.save_pretrained(tmp_path / "step_1")
+    served = ref_server.load_model(tiny_model)
+    app = make_app(served, name="tiny", max_seqs=16, max_tokens=2000, max_body=2**20, token=TOKEN,
+                   checkpoint_dir=str(tmp_path))
+    models = lambda: sum(issubclass(type(o), transformers.PreTrainedModel) for o in gc.get_objects())
     with serve_in_thread(app) as url:
-        assert gone() is not None   # served
-        reload_reference(url, str(tmp_path / "step_1"), token=TOKEN, retry_for=0)
         gc.collect()
-        assert gone() is None
-        assert_serves(url, load(tiny_model))   # the same weights, from the reloaded copy
+        before = models()
+        health = reload_reference(url, str(tmp_path / "step_1"), token=TOKEN, retry_for=0)
+        gc.collect()
+        assert models() == before
+        assert health["fingerprint"] == model_fingerprint(served) == model_fingerprint(new)
+        assert_serves(url, new)
 
 
 def test_non_finite_log_probs_are_the_servers_fault(tiny_model):
@@ -723,3 +761,113 @@ def test_client_retries_an_answer_cut_short(capsys):
     assert "(HTTP 200 cut short (0 bytes, None announced)); retrying" in err, err
     assert "ChunkedEncodingError" in err, err
     listener.close()
+
+
+def test_reload_serves_only_the_files_it_checked(tmp_path, tiny_model):
+    """A file swapped for a symlink to outside --checkpoint-dir between the checks and the read: main d08f4ac
+    checked names, then from_pretrained opened them again, and 3 of about 16 tries served the outside weights.
+    Now each file is opened once (no symlink followed) and checked and read on that descriptor: a try either
+    serves the inside checkpoint or is refused with 403, never the outside one."""
+    from transformers import AutoModelForCausalLM
+    ckpts, outside = tmp_path / "run", tmp_path / "outside"
+    fingerprints = {}
+    for name, folder in (("inside", ckpts / "step_1"), ("outside", outside)):
+        m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        with torch.no_grad():
+            m.model.norm.weight.mul_(2 if name == "inside" else -5)
+        m.save_pretrained(folder)
+        fingerprints[name] = model_fingerprint(m)
+    weights = ckpts / "step_1" / "model.safetensors"
+    os.link(weights, ckpts / "real")   # the real file, to swap back in
+    os.symlink(outside / "model.safetensors", ckpts / "link")
+    stop = threading.Event()
+
+    def swap():   # rename is atomic: the name always exists, a file or a symlink
+        while not stop.is_set():
+            for src in ("link", "real"):
+                os.link(ckpts / src, ckpts / "swap", follow_symlinks=False)
+                os.replace(ckpts / "swap", weights)
+    proc, url, log = spawn_server(tiny_model, tmp_path / "log.txt", "--checkpoint-dir", str(ckpts),
+                                  env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
+    swapper = threading.Thread(target=swap, daemon=True)
+    try:
+        wait_up(proc, url, log)
+        swapper.start()
+        served = []
+        for _ in range(40):
+            r = requests.post(url + "/reload", data=json.dumps({"path": str(ckpts / "step_1")}),
+                              headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+            assert r.status_code in (200, 403, 422), r.text
+            served.append(requests.get(url + "/health", timeout=10).json()["fingerprint"])
+        assert fingerprints["outside"] not in served
+        assert fingerprints["inside"] in served   # the swap did not refuse every try
+        assert "Traceback" not in server_log(log)
+    finally:
+        stop.set()
+        swapper.join(10)
+        stop_server(proc, log)
+
+
+def test_connections_before_the_token_hold_bounded_memory(tmp_path, tiny_model, model):
+    """40 connections that send 99 headers of 64 KB each and never finish: main d08f4ac read them all (100
+    headers of 64 KiB are http.server's own limits) and held ~250 MiB before any token check. Now at most
+    --max-connections are served at once (more: 503), each reading at most QuietHandler.max_head bytes
+    before its token is checked (more: 431), so the server's memory grows by a bounded amount; afterwards
+    a request with the token is answered."""
+    import psutil
+    import socket
+    proc, url, log = spawn_server(tiny_model, tmp_path / "log.txt", env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
+    try:
+        wait_up(proc, url, log)
+        assert_serves(url, model)
+        server = psutil.Process(proc.pid)
+        before = server.memory_info().rss
+        held = []
+        for _ in range(40):
+            s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=60)
+            held.append(s)
+            try:
+                s.sendall(b"POST /logps HTTP/1.0\r\n")
+                for i in range(99):
+                    s.sendall(b"X-Pad-%d: %s\r\n" % (i, b"a" * 64000))
+            except OSError:   # refused: answered 503 or 431 and closed
+                pass
+        grown = []
+        for _ in range(10):   # samples while the connections are held, for the threads to read what is sent
+            grown.append(server.memory_info().rss - before)
+            time.sleep(0.3)
+        # default --max-connections 32, each its head, its thread and buffers: well under 1 MiB apiece
+        bound = 32 * (QuietHandler.max_head + 2**20)
+        assert max(grown) < bound, (max(grown), bound)
+        for s in held:
+            s.close()
+        assert_serves(url, model)
+        assert "Traceback" not in server_log(log)
+    finally:
+        stop_server(proc, log)
+
+
+def test_headers_must_arrive_by_a_deadline(tmp_path, tiny_model):
+    """A byte every 0.25 s kept a half-sent request open forever on main d08f4ac (the socket timeout counts
+    silence only); now the request line and headers must all arrive within --header-timeout: 408."""
+    import socket
+    proc, url, log = spawn_server(tiny_model, tmp_path / "log.txt", "--header-timeout", "2")
+    try:
+        wait_up(proc, url, log)
+        s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=60)
+        answer = b""
+        for byte in (b"GET /health HTTP/1.0\r\nX-Slow: " + b"a" * 400)[:400]:
+            try:
+                s.sendall(bytes([byte]))
+            except OSError:   # closed after its answer
+                break
+            readable, _, _ = select.select([s], [], [], 0.25)
+            if readable:
+                answer = s.recv(4096)
+                break
+        s.close()
+        assert answer.startswith(b"HTTP/1.0 408"), (answer, server_log(log))
+        assert "not sent within 2s" in answer.decode()
+        assert requests.get(url + "/health", timeout=10).status_code == 200
+    finally:
+        stop_server(proc, log)

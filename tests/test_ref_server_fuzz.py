@@ -185,7 +185,7 @@ def live_app():
     from demo.tiny_model import build_model, build_tokenizer
     from ref_server import QuietHandler, ThreadingWSGIServer, make_app
     app = make_app(build_model(build_tokenizer(), seed=0).eval(), name="tiny", max_seqs=16, max_tokens=2000,
-                   max_body=2**20, token="t", checkpoint_dir="/nonexistent", load=None)
+                   max_body=2**20, token="t", checkpoint_dir="/nonexistent")
     untokened = make_app(build_model(build_tokenizer(), seed=0).eval(), name="tiny", max_seqs=16,
                          max_tokens=2000, max_body=2**20)
     servers = [make_server("127.0.0.1", 0, a, server_class=ThreadingWSGIServer, handler_class=QuietHandler)
