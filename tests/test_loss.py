@@ -45,7 +45,8 @@ def gspo_reference_loss(logps, old, ref, adv, lens, beta, eps_low, eps_high, agg
     surrogate; the k3 KL stays per token; --agg weighs the tokens as for GRPO."""
     per_seq = []
     for i, n in enumerate(lens):
-        p_new, p_old = math.prod(math.exp(x) for x in logps[i][:n]), math.prod(math.exp(x) for x in old[i][:n])
+        p_new = math.prod(math.exp(x) for x in logps[i][:n])
+        p_old = math.prod(math.exp(x) for x in old[i][:n])
         s = (p_new / p_old) ** (1 / n)
         surr = min(s * adv[i], min(max(s, 1 - eps_low), 1 + eps_high) * adv[i])
         kls = [math.exp(ref[i][t] - logps[i][t]) - (ref[i][t] - logps[i][t]) - 1 if beta else 0.0
