@@ -108,7 +108,7 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         raise SystemExit("grpo_train.py: " + "; ".join(problems))
 
 
-def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, **_):
+def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, seed=0, **_):
     """-> (HF model, tokenizer). The dtype is the reference server's rule: bf16 only on GPUs that have it
     natively, fp32 otherwise; vLLM is then given the same (generation.vllm_dtype). lora_rank > 0: peft's LoRA
     adapters (B starts at zero: the policy starts as the base model) are its only trainable weights."""
@@ -121,7 +121,9 @@ def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_ta
         layers = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
         if unknown := [t for t in targets if t not in layers] if targets != "all-linear" else []:
             raise SystemExit(f"grpo_train.py: --lora-targets: {model_name} has no layer named {', '.join(unknown)}")
-        # no dropout: the probe and the on-policy ratio need the forward pass vLLM computes
+        # no dropout: the probe and the on-policy ratio need the forward pass vLLM computes; A starts random
+        # (B at zero), from --seed, so that a run repeats
+        torch.manual_seed(seed)
         model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank, lora_dropout=0.0,
                                      target_modules=targets))
     if dist.is_initialized() and dist.get_rank() == 0:
