@@ -1,13 +1,17 @@
 """Resumable checkpoints of a GRPO run: out_dir/step_N holds the HF model and tokenizer, DeepSpeed's files
 (every rank's ZeRO-2 optimizer shard) and the run's state (grpo_state.json); out_dir/latest names the newest
-complete one. grpo_train.py uses it; read that first."""
+complete one. With LoRA, the model's place holds step_N/adapter (peft's format: load it onto --model with
+peft.PeftModel.from_pretrained) and DeepSpeed's files the adapters alone; the merged model is written only for
+the reference server (--ref-sync-every). grpo_train.py uses it; read that first."""
 import json
 import os
 import re
 import shutil
 
 import torch.distributed as dist
+from safetensors.torch import save_file
 
+from lora import vllm_weights
 from ref_server import reload_reference
 
 
@@ -39,7 +43,9 @@ def load_checkpoint(engine, out_dir, step):
     step 0 (a fresh run)."""
     if step == 0:
         return
-    path, _ = engine.load_checkpoint(out_dir, tag=f"step_{step}")
+    # frozen weights (LoRA's base) are not in the checkpoint: they are --model's, loaded already
+    frozen = any(not p.requires_grad for p in engine.module.parameters())
+    path, _ = engine.load_checkpoint(out_dir, tag=f"step_{step}", load_module_strict=not frozen)
     if path is None:
         raise RuntimeError(f"{os.path.join(out_dir, f'step_{step}')}: DeepSpeed could not load this checkpoint")
 
@@ -56,9 +62,13 @@ def save_checkpoint(engine, tokenizer, out_dir, state, *, keep, reload_url=None)
     if master and os.path.exists(tmp):   # left by a run killed while saving
         shutil.rmtree(tmp)
     dist.barrier()
-    engine.save_checkpoint(out_dir, tag=tag + ".tmp", save_latest=False)
+    engine.save_checkpoint(out_dir, tag=tag + ".tmp", save_latest=False, exclude_frozen_parameters=True)
     if master:
-        engine.module.save_pretrained(tmp)
+        lora = bool(getattr(engine.module, "peft_config", None))
+        # a peft folder beside config.json would make transformers load its adapters onto the base model it names
+        engine.module.save_pretrained(os.path.join(tmp, "adapter") if lora else tmp)
+        if lora and reload_url:
+            save_merged(engine.module, tmp)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "grpo_state.json"), "w") as f:
             json.dump(state, f)
@@ -75,6 +85,15 @@ def save_checkpoint(engine, tokenizer, out_dir, state, *, keep, reload_url=None)
         if keep:
             prune_checkpoints(out_dir, state["step"], keep, state["ref"])
     dist.barrier()
+
+
+def save_merged(model, path):
+    """A LoRA policy as a checkpoint of its base architecture, adapters merged, for the reference server's
+    /reload: config.json, generation_config.json, model.safetensors (one file, as the weights vLLM gets)."""
+    model.config.save_pretrained(path)
+    model.generation_config.save_pretrained(path)
+    save_file({name: w.contiguous() for name, w in vllm_weights(model)}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
 
 
 def prune_checkpoints(out_dir, step, keep, ref):

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lora import vllm_weights
 from rewards import format_reward, parse_reward_spec, score
 from tasks import shuffled_forever
 
@@ -299,7 +300,7 @@ class GenerationProcess:
         with torch.no_grad():
             probe = completion_logps(model, ids, torch.ones_like(ids), len(self.probe_ids) - 1)[0]
         self.version += 1
-        params = list(model.named_parameters())
+        params = vllm_weights(model)
         self.control.put({"kind": "weights", "version": self.version, "evaluate": evaluate,
                           "probe_ids": self.probe_ids, "probe_logps": probe.tolist(),
                           "params": [(n, list(p.shape), vllm_dtype(p.dtype)) for n, p in params]})

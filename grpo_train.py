@@ -52,6 +52,8 @@ def get_args(argv=None):
                    choices=["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
     g.add_argument("--loss-norm", default="sampled", choices=["sampled", "kept"],
                    help="divide the loss by what was sampled or kept (choice 2)")
+    g.add_argument("--ratio-level", default="token", choices=["token", "sequence"],
+                   help="sequence: GSPO (its paper: --eps-low 3e-4 --eps-high 4e-4)")
     g = p.add_argument_group("GRPO variants (the defaults leave them off)")
     g.add_argument("--num-iterations", type=int, default=1, help="optimizer steps per batch (mu)")
     g.add_argument("--scale-rewards", default="group", choices=["group", "batch", "none"],
@@ -127,16 +129,18 @@ def completion_logps(model, input_ids, attention_mask, n_completion, temperature
     return torch.cat(logps).view(targets.shape)                          # (B, T)
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, eps_high, agg,
-              max_len, vllm_logps=None, tis_cap=None):
+              max_len, vllm_logps=None, tis_cap=None, ratio_level="token"):
     """Choice 3 -> (loss, count, stats): the loss averages over `count` sequences (tokens, for
-    token-mean). tis_cap: each token is weighted by min(exp(old_logps - vllm_logps), tis_cap)."""
+    token-mean). tis_cap: each token is weighted by min(exp(old_logps - vllm_logps), tis_cap).
+    ratio_level "sequence": GSPO's ratio, choice 3's alternative (README "GRPO variants")."""
     keep = mask > 0                                                       # (B, T)
     mask = mask.to(logps.dtype)                                           # (B, T)
     # padding holds anything: zeroed before exp, where it could overflow to inf
-    ratio = torch.exp(torch.where(keep, logps - old_logps, 0.0))          # (B, T)
+    log_ratio = torch.where(keep, logps - old_logps, 0.0)                 # (B, T)
+    seq_log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(1)  # (B, 1)
+    ratio = torch.exp(seq_log_ratio if ratio_level == "sequence" else log_ratio)
     A = advantages.unsqueeze(1)                                           # (B, 1)
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)                      # (B, T)
-    surrogate = torch.min(ratio * A, clipped * A)                         # (B, T)
+    surrogate = torch.min(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)  # (B, T)
     if tis_cap:
         is_ratio = torch.exp(torch.where(keep, old_logps - vllm_logps, 0.0))   # (B, T)
         surrogate = surrogate * is_ratio.clamp(max=tis_cap)               # (B, T)
@@ -209,7 +213,7 @@ def train_step(engine, chunks, total, pad_id, args):
                 logps, old_trainer[i] if args.tis_cap else b["old"], b["ref"], b["adv"],
                 b["mask"], beta=args.beta, eps_low=args.eps_low, eps_high=args.eps_high,
                 agg=args.agg, max_len=args.max_new_tokens, vllm_logps=b["old"],
-                tis_cap=args.tis_cap)
+                tis_cap=args.tis_cap, ratio_level=args.ratio_level)
             # this micro-batch's share of the batch's loss; x world: DeepSpeed averages ranks
             share = loss * count / total * weight
             engine.backward(share * dist.get_world_size())
@@ -224,7 +228,7 @@ def main(args):
     # the one process with side effects: vLLM, weight pushes, logs
     master_process = rank == 0
     check_config(world, **vars(args))
-    model, tok = load_policy(args.model, args.grad_ckpt)
+    model, tok = load_policy(**vars(args))
     state = read_state(args.out_dir, args.resume, master_process)
     train_set, eval_set, too_long = load_prompts(
         args.task, tok, data=args.data, seed=args.seed, max_prompt_len=args.max_prompt_len,

@@ -7,15 +7,21 @@ import math
 import os
 import signal
 import sys
+from types import SimpleNamespace
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lora import vllm_weights
 from rewards import parse_reward_spec
 from ref_server import default_dtype, model_fingerprint, reload_reference, wait_for_server
 from tasks import drop_long_prompts, load_task
+
+# the attention and MLP projections of Qwen2 and Llama
+LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 def add_system_args(p):
@@ -26,6 +32,11 @@ def add_system_args(p):
     g.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward on a rank")
     g.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing: less memory, more compute")
     g.add_argument("--ds-config", default="ds_config.json", help="DeepSpeed config (ZeRO-2)")
+    g = p.add_argument_group("LoRA (peft): only low-rank adapters train; vLLM gets the merged weights")
+    g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank r (0: train every weight)")
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale alpha / r (default alpha: 2 r)")
+    g.add_argument("--lora-targets", default=LORA_TARGETS,
+                   help="the linear layers that get adapters, by name (or all-linear)")
     g = p.add_argument_group("processes")
     g.add_argument("--gen-device", type=int, default=0, help="GPU index for vLLM, as the machine counts them")
     g.add_argument("--gen-mem", type=float, default=0.9, help="vLLM gpu_memory_utilization")
@@ -67,7 +78,7 @@ def init_distributed(timeout_minutes, threads):
 
 def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_batch, steps, num_iterations,
                  max_gen_rounds, max_skips, temperature, tis_cap, overlong_buffer, max_new_tokens,
-                 ref_sync_every, beta, max_staleness, keep_checkpoints, **_):
+                 ref_sync_every, beta, max_staleness, keep_checkpoints, lora_rank, lora_alpha, **_):
     """Exits with one message naming every flag that is wrong, before anything is loaded or started."""
     # a hub id is "org/name"; anything else with a slash (or starting with . / ~) is meant as a local folder
     local = model.startswith((".", "/", "~")) or model.count("/") > 1
@@ -86,6 +97,8 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         (min(max_staleness, keep_checkpoints) < 0, "--max-staleness and --keep-checkpoints must be >= 0"),
         (temperature < 1e-3, "--temperature must be >= 0.001 (the log-probs are taken at it)"),
         (tis_cap is not None and tis_cap <= 0, "--tis-cap must be > 0"),
+        (lora_rank < 0 or (lora_alpha is not None and lora_alpha <= 0),
+         "--lora-rank must be >= 0 and --lora-alpha > 0"),
         (not 0 <= overlong_buffer < max_new_tokens, "--overlong-buffer must be in [0, --max-new-tokens)"),
         (ref_sync_every and beta == 0, "--ref-sync-every needs a reference model (--beta > 0)"),
         (local and not os.path.isdir(os.path.expanduser(model)), f"--model {model}: no such folder"),
@@ -95,12 +108,28 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         raise SystemExit("grpo_train.py: " + "; ".join(problems))
 
 
-def load_policy(model_name, grad_ckpt):
+def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, seed=0, **_):
     """-> (HF model, tokenizer). The dtype is the reference server's rule: bf16 only on GPUs that have it
-    natively, fp32 otherwise; vLLM is then given the same (generation.vllm_dtype)."""
+    natively, fp32 otherwise; vLLM is then given the same (generation.vllm_dtype). lora_rank > 0: peft's LoRA
+    adapters (B starts at zero: the policy starts as the base model) are its only trainable weights."""
     dtype = getattr(torch, default_dtype("cuda" if torch.cuda.is_available() else "cpu"))
-    tok = AutoTokenizer.from_pretrained(model_name)
+    model_name, tok = model, AutoTokenizer.from_pretrained(model)
     model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype)
+    if lora_rank:
+        # peft matches targets by name and ignores one that matches nothing while another matches
+        targets = "all-linear" if lora_targets == "all-linear" else lora_targets.split(",")
+        layers = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        if unknown := [t for t in targets if t not in layers] if targets != "all-linear" else []:
+            raise SystemExit(f"grpo_train.py: --lora-targets: {model_name} has no layer named {', '.join(unknown)}")
+        # no dropout: the probe and the on-policy ratio need the forward pass vLLM computes; A starts random
+        # (B at zero), from --seed, so that a run repeats
+        torch.manual_seed(seed)
+        model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank, lora_dropout=0.0,
+                                     target_modules=targets))
+    if dist.is_initialized() and dist.get_rank() == 0:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%)", flush=True)
     if grad_ckpt:   # HF checkpoints layers in train mode only (Qwen and Llama have no dropout to turn on)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -117,8 +146,9 @@ def build_engine(model, ds_config_path, lr, micro_batch):
     if "optimizer" in ds_config:   # e.g. ds_config_offload.json: DeepSpeed's CPU Adam, for optimizer offload
         ds_config["optimizer"].setdefault("params", {})["lr"] = lr
         optimizer = None
-    else:   # torch's AdamW: no JIT build on CPU
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0,
+    else:   # torch's AdamW: no JIT build on CPU; with LoRA, state for the adapters alone
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.99), weight_decay=0.0,
                                       fused=torch.cuda.is_available())
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     return engine
@@ -142,9 +172,18 @@ def check_reference(url, wait_s, model, refreshed, model_name):
     served = wait_for_server(url, timeout=wait_s)["fingerprint"]
     if refreshed and dist.get_rank() == 0:
         reload_reference(url, refreshed)
-    elif not refreshed and served != model_fingerprint(model):
+    elif not refreshed and served != model_fingerprint(base_model_view(model)):
         raise RuntimeError(f"{url} serves another model than --model {model_name}")
     dist.barrier()
+
+
+def base_model_view(model):
+    """A LoRA policy as model_fingerprint reads a model (config, state_dict): its weights merged, under the base
+    model's names (generation.vllm_weights). The policy itself when it has no adapters."""
+    if not getattr(model, "peft_config", None):
+        return model
+    state = dict(vllm_weights(model, model.state_dict().items()))
+    return SimpleNamespace(config=model.config, state_dict=lambda: state)
 
 
 def broadcast_json(obj, device, src=0):

@@ -2,6 +2,7 @@
 gloo rank in a child process: a resumed run takes exactly the step the uninterrupted run took, because the
 optimizer state came back too; a save killed halfway never becomes `latest`."""
 import os
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
 import os, sys
-model, out, phase, port = sys.argv[1:]
+model, out, phase, port, lora_rank = sys.argv[1:]
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 import deepspeed, torch
 from safetensors.torch import save_file
@@ -20,7 +21,7 @@ from checkpoints import load_checkpoint, read_state, save_checkpoint
 from run_setup import build_engine, load_policy
 
 deepspeed.init_distributed()
-model, tok = load_policy(model, grad_ckpt=False)
+model, tok = load_policy(model, grad_ckpt=False, lora_rank=int(lora_rank))
 engine = build_engine(model, "ds_config.json", lr=1e-2, micro_batch=4)
 
 def train_step(seed):   # any loss will do: the optimizer's state is what is tested
@@ -38,6 +39,15 @@ elif phase == "resumed":
     state = read_state(out, resume=True, master=True)   # before the engine loads it, as grpo_train.main does
     load_checkpoint(engine, out, state["step"])
     assert (state["step"], state["data_pos"], state["counts"]["stale_dropped"]) == (2, 7, 0), state
+elif phase == "weights-only" and int(lora_rank):   # step 2's adapters, without their optimizer state
+    engine.load_checkpoint(out, tag="step_2", load_module_strict=False, load_optimizer_states=False)
+if phase == "first":   # Adam's moments: as many numbers as the weights that train; the policy's logits
+    moments = sum(s["exp_avg"].numel() for s in engine.optimizer.optimizer.state.values())
+    print("moments", moments, sum(p.numel() for p in model.parameters() if p.requires_grad),
+          sum(p.numel() for p in model.parameters()))
+    with torch.no_grad():
+        logits = engine.module(input_ids=torch.arange(10, 30)[None]).logits
+    save_file({"logits": logits}, os.path.join(out, "logits.safetensors"))
 # phase "weights-only": started from the HF model inside the checkpoint, with a fresh optimizer
 train_step(2)
 if phase == "resumed":
@@ -46,9 +56,10 @@ save_file({k: v.clone() for k, v in engine.module.state_dict().items()}, os.path
 """
 
 
-def run(phase, model, out, port):
+def run(phase, model, out, port, lora_rank=0):
     env = {**os.environ, "PYTHONPATH": ROOT}
-    p = subprocess.run([sys.executable, "-c", SCRIPT, model, str(out), phase, str(port)], cwd=ROOT, env=env,
+    p = subprocess.run([sys.executable, "-c", SCRIPT, model, str(out), phase, str(port), str(lora_rank)], cwd=ROOT,
+                       env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return load_file(os.path.join(out, phase + ".safetensors")), p.stdout
@@ -66,6 +77,35 @@ def test_resume_restores_model_and_optimizer_exactly(tmp_path, tiny_model):
     fresh, _ = run("weights-only", str(tmp_path / "step_2"), tmp_path, 29652)
     assert max((fresh[k] - first[k]).abs().max().item() for k in first) > 1e-4
     assert (tmp_path / "latest").read_text() == "step_3" and not (tmp_path / "step_3.tmp").exists()
+
+
+def test_lora_resume_is_exact_and_keeps_the_adapters_and_their_optimizer_alone(tmp_path, tiny_model):
+    """--lora-rank 4: the checkpoint holds the adapters (peft's folder, which loads onto the base model as the
+    trained policy) and their optimizer state, Adam's moments the adapters' size; a resumed run takes the
+    uninterrupted run's third step bit for bit, and the same adapters without their optimizer state do not."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    first, out = run("first", tiny_model, tmp_path, 29653, lora_rank=4)
+    moments, trainable, total = (int(w) for w in re.search(r"^moments (\d+) (\d+) (\d+)$", out, re.M).groups())
+    assert moments == trainable and 0 < trainable < total / 10, out
+    ckpt = tmp_path / "step_2"
+    assert (ckpt / "adapter" / "adapter_model.safetensors").exists() and not (ckpt / "model.safetensors").exists()
+    # DeepSpeed's files: the adapters and 3 fp32 copies of them (master, 2 moments), not the base model
+    ds_bytes = sum(f.stat().st_size for f in ckpt.glob("*.pt"))
+    assert ds_bytes < 4 * 4 * trainable + 2**20 < 4 * total, ds_bytes
+    resumed, out = run("resumed", tiny_model, tmp_path, 29654, lora_rank=4)
+    assert "resuming after step 2" in out
+    for k in first:
+        torch.testing.assert_close(resumed[k], first[k], rtol=0, atol=0)
+    fresh, _ = run("weights-only", tiny_model, tmp_path, 29655, lora_rank=4)
+    assert max((fresh[k] - first[k]).abs().max().item() for k in first) > 1e-4
+    # the saved adapters on the base model (peft's own loader) are the policy after step 2, not the base model
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(ckpt / "adapter"))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    ids, trained = torch.arange(10, 30)[None], load_file(tmp_path / "logits.safetensors")["logits"]
+    with torch.no_grad():
+        torch.testing.assert_close(policy(ids).logits, trained, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(base(ids).logits, trained, atol=1e-3)
 
 
 def test_pruning_keeps_the_newest_and_the_reference_and_leaves_later_ones(tmp_path):

@@ -290,11 +290,11 @@ def test_check_config_names_every_bad_flag():
     check_config(2, **vars(ok))
     bad = get_args(["--model", "./no/such/folder", "--group-size", "1", "--prompts-per-step", "0",
                     "--rewards", "gsm8k,nope", "--temperature", "0", "--overlong-buffer", "600",
-                    "--ref-sync-every", "2", "--beta", "0", "--max-staleness", "-1"])
+                    "--ref-sync-every", "2", "--beta", "0", "--max-staleness", "-1", "--lora-rank", "-1"])
     with pytest.raises(SystemExit) as e:
         check_config(2, **vars(bad))
     for flag in ("--group-size", "--prompts-per-step", "--rewards", "--temperature", "--overlong-buffer",
-                 "--ref-sync-every", "--max-staleness", "--model ./no/such/folder: no such folder"):
+                 "--ref-sync-every", "--max-staleness", "--lora-rank", "--model ./no/such/folder: no such folder"):
         assert flag in str(e.value), flag
     with pytest.raises(SystemExit, match="must be >= the number of training ranks"):
         check_config(4, **vars(get_args(["--model", "m/m", "--prompts-per-step", "1", "--group-size", "2"])))

@@ -15,7 +15,7 @@ AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 
 def reference_loss(logps, old, ref, adv, lens, beta, eps_low, eps_high, agg, max_len):
     """The formulas of the issue, token by token in plain Python floats (float64)."""
-    per_seq, all_tokens = [], []
+    per_seq = []
     for i, n in enumerate(lens):
         toks = []
         for t in range(n):
@@ -27,12 +27,33 @@ def reference_loss(logps, old, ref, adv, lens, beta, eps_low, eps_high, agg, max
                 kl = math.exp(d) - d - 1
             toks.append(-(surr - beta * kl))
         per_seq.append(toks)
-        all_tokens += toks
+    return aggregate(per_seq, agg, max_len)
+
+
+def aggregate(per_seq, agg, max_len):
+    """Token losses, one list per sequence -> the batch's loss under --agg."""
+    all_tokens = [x for s in per_seq for x in s]
     if agg == "seq-mean-token-mean":
         return sum(sum(s) / len(s) for s in per_seq) / len(per_seq)
     if agg == "token-mean":
         return sum(all_tokens) / len(all_tokens)
     return sum(all_tokens) / (len(per_seq) * max_len)
+
+
+def gspo_reference_loss(logps, old, ref, adv, lens, beta, eps_low, eps_high, agg, max_len):
+    """GSPO (Zheng et al., 2025, eq. 5-7) in plain Python floats: s_i = (pi(y_i) / pi_old(y_i)) ^ (1 / |y_i|), the
+    sequences' probabilities as products over their tokens; min(s_i A_i, clip(s_i) A_i) is every token's
+    surrogate; the k3 KL stays per token; --agg weighs the tokens as for GRPO."""
+    per_seq = []
+    for i, n in enumerate(lens):
+        p_new = math.prod(math.exp(x) for x in logps[i][:n])
+        p_old = math.prod(math.exp(x) for x in old[i][:n])
+        s = (p_new / p_old) ** (1 / n)
+        surr = min(s * adv[i], min(max(s, 1 - eps_low), 1 + eps_high) * adv[i])
+        kls = [math.exp(ref[i][t] - logps[i][t]) - (ref[i][t] - logps[i][t]) - 1 if beta else 0.0
+               for t in range(n)]
+        per_seq.append([-(surr - beta * kl) for kl in kls])
+    return aggregate(per_seq, agg, max_len)
 
 
 def random_batch(B=5, T=7, seed=0):
@@ -68,6 +89,35 @@ def test_loss_value_and_gradient_match_float64_reference(agg, beta):
                    - reference_loss(down, old.tolist(), ref.tolist(), adv.tolist(), lens, **kw)) / (2 * h)
             assert x.grad[i, t].item() == pytest.approx(num, rel=1e-5, abs=1e-8)
     assert (x.grad[mask == 0] == 0).all()   # padding never gets a gradient
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_gspo_sequence_ratio_matches_the_papers_formula(agg):
+    """ratio_level="sequence": loss and gradient equal the paper's formula in float64, for every --agg, with
+    padding of any value; clip/low and clip/high count the tokens of the sequences clipped."""
+    logps, old, ref, adv, mask, lens = random_batch(B=8, T=7, seed=3)
+    logps, old = logps.masked_fill(mask == 0, 50.0), old.masked_fill(mask == 0, -1e4)   # padding: anything
+    kw = dict(beta=0.1, eps_low=0.03, eps_high=0.04, agg=agg, max_len=10)
+    x = logps.clone().requires_grad_(True)
+    loss, _, stats = grpo_loss(x, old, ref, adv, mask, ratio_level="sequence", **kw)
+    loss.backward()
+    ref_loss = lambda lp: gspo_reference_loss(lp, old.tolist(), ref.tolist(), adv.tolist(), lens, **kw)
+    assert loss.item() == pytest.approx(ref_loss(logps.tolist()), rel=1e-10, abs=1e-12)
+    h = 1e-6
+    for i, n in enumerate(lens):
+        for t in range(n):
+            up, down = logps.tolist(), logps.tolist()
+            up[i][t] += h
+            down[i][t] -= h
+            num = (ref_loss(up) - ref_loss(down)) / (2 * h)
+            assert x.grad[i, t].item() == pytest.approx(num, rel=1e-5, abs=1e-8)
+    assert (x.grad[mask == 0] == 0).all()
+    s = [math.exp(sum(logps[i, :n] - old[i, :n]).item() / n) for i, n in enumerate(lens)]
+    low = sum(n for si, a, n in zip(s, adv.tolist(), lens) if si < 0.97 and a < 0)
+    high = sum(n for si, a, n in zip(s, adv.tolist(), lens) if si > 1.04 and a > 0)
+    assert (stats["clip_low"].item(), stats["clip_high"].item()) == (low, high)
+    # the batch has clipped and unclipped sequences both: the test sees the clip's both sides
+    assert 0 < sum(1 for si in s if 0.97 <= si <= 1.04) < len(s) and low + high > 0
 
 
 def test_kl_term_is_k3_and_vanishes_when_policy_equals_reference():
