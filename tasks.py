@@ -106,9 +106,9 @@ def read_records(path: str) -> list[tuple[str, dict]]:
         for i, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    out.append((f"{path}:{i}", json.loads(line)))
+                    out.append((f"{path}:{i}", json.loads(line.rstrip("\n"))))
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{i}: not a JSON line ({e})") from None
+                    raise DataError(f"{path}:{i}: not a JSON line ({e.msg}, column {e.colno})") from None
     return out
 
 

@@ -90,7 +90,8 @@ def test_chat_template_none_keeps_the_prompts_as_they_are(tmp_path):
     assert s["prompt"] == "12+34="   # a completion-style prompt, exactly as written
     write_jsonl(tmp_path / "train.jsonl", GSM[:1])
     (g,) = tasks.load_task("gsm8k", "train", data=str(tmp_path), tokenizer=TOK, chat_template="none")
-    assert g["prompt"] == tasks.SYSTEM_PROMPT + "\n\n" + GSM[0]["question"] + "\n\n"   # a built-in task: plain text
+    # a built-in task: the plain-text form
+    assert g["prompt"] == tasks.SYSTEM_PROMPT + "\n\n" + GSM[0]["question"] + "\n\n"
 
 
 def test_gsm8k_from_parquet(tmp_path):
