@@ -165,7 +165,7 @@ class MetricsLog:
             for k, v in log.items():
                 self.tb.add_scalar(k, v, log["step"])
         # an evaluation arrives a step or so after the push it scores: its own step says which weights
-        evals = f" | eval {log['eval/accuracy']:.3f} (step {log['eval/step']})" if 'eval/step' in log else ''
+        evals = f" | eval {log['eval/accuracy']:.3f} (step {log['eval/step']})" if "eval/step" in log else ""
         print(f"step {log['step']:4d} | reward {log['reward/mean']:.3f} | loss {log['loss']:+.4f} | "
               f"kl {log['kl']:.4f} | entropy {log['entropy']:.3f} | len {log['completion_len/mean']:.1f} | "
               f"zero-std {log['frac_zero_std']:.2f}{evals}", flush=True)
