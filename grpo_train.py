@@ -17,13 +17,12 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 import rewards
 from checkpoints import load_checkpoint, read_state, save_checkpoint
 from generation import GenerationProcess
-from metrics import (Counters, MetricsLog, add_stats, loss_metrics, reduce_stats, rollout_metrics,
-                     timed)
+from metrics import (Counters, MetricsLog, add_stats, loss_metrics, policy_stats, reduce_stats,
+                     rollout_metrics, timed)
 from ref_server import ref_logps
 from run_setup import (add_system_args, broadcast_json, build_engine, check_config, check_reference,
                        init_distributed, load_policy, load_prompts, micro_batches, shut_down)
@@ -110,9 +109,10 @@ def normaliser(seqs, fill, agg, mask_truncated):
         return len(lengths)
     return sum(n for n, cut in lengths if not (mask_truncated and cut))
 
-def completion_logps(model, input_ids, attention_mask, n_completion, temperature=1.0, chunk=512):
-    """Log-probs of each row's last n_completion tokens. The lm_head runs on `chunk` tokens at a
-    time under activation checkpointing: (B, T, vocab) logits are never made."""
+def completion_logps(model, input_ids, attention_mask, n_completion, temperature=1.0, chunk=512,
+                     entropy=False):
+    """Log-probs of each row's last n_completion tokens (entropy=True: and the detached entropy at
+    each). The lm_head runs on `chunk` tokens at a time under checkpointing: no (B, T, V) logits."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)           # (B, L)
     out = model.model(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids, use_cache=False)
@@ -121,12 +121,14 @@ def completion_logps(model, input_ids, attention_mask, n_completion, temperature
 
     def token_logps(h, t):
         logits = model.lm_head(h).float() / temperature                   # (n, V)
-        return logits.gather(-1, t[:, None])[:, 0] - logits.logsumexp(-1)  # (n,)
+        logp = logits.gather(-1, t[:, None])[:, 0] - logits.logsumexp(-1)   # (n,)
+        return logp, torch.distributions.Categorical(logits=logits.detach()).entropy()
 
     pieces = zip(hidden.flatten(0, 1).split(chunk), targets.flatten().split(chunk))
-    logps = [torch.utils.checkpoint.checkpoint(token_logps, h, t, use_reentrant=False)
-             for h, t in pieces]
-    return torch.cat(logps).view(targets.shape)                          # (B, T)
+    logps, ents = zip(*[torch.utils.checkpoint.checkpoint(token_logps, h, t, use_reentrant=False)
+                        for h, t in pieces])
+    logps, ents = torch.cat(logps).view(targets.shape), torch.cat(ents).view(targets.shape)
+    return (logps, ents) if entropy else logps                           # (B, T)
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, eps_high, agg,
               max_len, vllm_logps=None, tis_cap=None, ratio_level="token"):
@@ -202,13 +204,12 @@ def train_step(engine, chunks, total, pad_id, args):
         for i, (chunk, weight) in enumerate(chunks):
             b = collate(chunk, pad_id, engine.device, args.mask_truncated)
             engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
-            logps = completion_logps(engine.module, b["ids"], b["attn"], b["mask"].shape[1],
-                                     args.temperature)
-            # before any update: --tis-cap's old policy, and the gap to vLLM's log-probs
+            logps, entropy = completion_logps(engine.module, b["ids"], b["attn"],
+                                              b["mask"].shape[1], args.temperature, entropy=True)
+            # before any update: --tis-cap's old policy, the gap to vLLM's log-probs, the entropy
             if it == 0:
                 old_trainer[i] = logps.detach()
-                gap = (logps.detach() - b["old"]).abs() * b["mask"]
-                add_stats(sums, {"gap_sum": gap.sum(), "gap_max": gap.max()}, weight)
+                add_stats(sums, policy_stats(logps, entropy, b["old"], b["mask"]), weight)
             loss, count, stats = grpo_loss(
                 logps, old_trainer[i] if args.tis_cap else b["old"], b["ref"], b["adv"],
                 b["mask"], beta=args.beta, eps_low=args.eps_low, eps_high=args.eps_high,
@@ -230,9 +231,7 @@ def main(args):
     check_config(world, **vars(args))
     model, tok = load_policy(**vars(args))
     state = read_state(args.out_dir, args.resume, master_process)
-    train_set, eval_set, too_long = load_prompts(
-        args.task, tok, data=args.data, seed=args.seed, max_prompt_len=args.max_prompt_len,
-        eval_size=args.eval_size, prompt_key=args.prompt_key, answer_key=args.answer_key)
+    train_set, eval_set, too_long = load_prompts(tok, **vars(args))
     # vLLM starts (15 s on CPU) while DeepSpeed sets up, and waits for the first weights
     if master_process:
         gen = GenerationProcess(
@@ -252,7 +251,7 @@ def main(args):
         if args.eval_only:
             log.write_eval(args.model, args.task, len(eval_set), gen.wait_eval())
     last = state["step"] if args.eval_only else args.steps
-    for step in tqdm(range(state["step"] + 1, last + 1), disable=not master_process, desc="grpo"):
+    for step in range(state["step"] + 1, last + 1):
         # --- batch: rank 0 takes the generation process's next one; every rank gets it
         times = {}
         with timed(times, "time/wait_s"):

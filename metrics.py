@@ -9,7 +9,6 @@ from statistics import fmean as mean
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 
 def rollout_metrics(scored, rounds, n_kept, n_dropped, group_size):
@@ -33,8 +32,16 @@ def add_stats(sums, stats, weight):
         sums[k] = torch.maximum(sums[k], v) if k in sums and k.endswith("_max") else sums.get(k, 0) + v
 
 
+def policy_stats(logps, entropy, vllm_logps, mask):
+    """A micro-batch's sums, before any update, of |trainer's - vLLM's log-probs| (sampling/logp_diff_*)
+    and of the policy's entropy (entropy), over the tokens in the loss."""
+    with torch.no_grad():
+        gap = (logps - vllm_logps).abs() * mask
+        return {"gap_sum": gap.sum(), "gap_max": gap.max(), "entropy_sum": (entropy * mask).sum()}
+
+
 # the stats every rank sums (or maxes) in the same order, whether or not it had a micro-batch
-SUM_KEYS = ("loss", "kl_sum", "clip_low", "clip_high", "tokens", "ratio_sum", "gap_sum")
+SUM_KEYS = ("loss", "kl_sum", "clip_low", "clip_high", "tokens", "ratio_sum", "gap_sum", "entropy_sum")
 MAX_KEYS = ("ratio_max", "gap_max")
 
 
@@ -49,12 +56,13 @@ def reduce_stats(sums, device):
 
 
 def loss_metrics(sums, num_iterations):
-    """loss (mean over --num-iterations), kl, clip/*, ratio/* and sampling/* of a step."""
+    """loss (mean over --num-iterations), kl, clip/*, ratio/*, sampling/* and entropy of a step (the last
+    two taken once, before the update, while "tokens" counts every iteration's)."""
     tokens, n = max(sums["tokens"], 1), num_iterations
     return {"loss": sums["loss"] / n, "kl": sums["kl_sum"] / tokens, "clip/low": sums["clip_low"] / tokens,
             "clip/high": sums["clip_high"] / tokens, "ratio/mean": sums["ratio_sum"] / tokens,
             "ratio/max": sums["ratio_max"], "sampling/logp_diff_mean": sums["gap_sum"] * n / tokens,
-            "sampling/logp_diff_max": sums["gap_max"]}
+            "sampling/logp_diff_max": sums["gap_max"], "entropy": sums["entropy_sum"] * n / tokens}
 
 
 @contextmanager
@@ -83,13 +91,51 @@ class Counters:
                              f"{self.in_a_row} times in a row (--max-skips); the last checkpoint is unaffected")
 
 
+class NoSignalWatch:
+    """Says aloud when nothing is learning: after `patience` steps in a row whose groups all had equal
+    rewards (frac_zero_std 1: every advantage 0, so loss and gradient 0), one warning that names what those
+    batches show; again only after a step with signal."""
+
+    def __init__(self, patience=3):
+        self.patience, self.streak = patience, []
+
+    def check(self, log):
+        """log: a step's metrics -> the warning to print, or None."""
+        self.streak = self.streak + [log] if log["frac_zero_std"] == 1 else []
+        if len(self.streak) != self.patience:
+            return None
+        seen = lambda key: mean([r[key] for r in self.streak])
+        parts = [k.split("/")[1] for k in log if k.startswith("reward/")
+                 and k not in ("reward/mean", "reward/errors", "reward/overlong")]
+        truncated, reward = seen("completion_len/truncated"), seen("reward/mean")
+        findings = []
+        if truncated >= 0.5:
+            findings.append(f"{100 * truncated:.0f}% of the completions were cut at --max-new-tokens: raise it "
+                            f"(mean length {seen('completion_len/mean'):.0f} tokens)")
+        if "format" in parts and seen("reward/format") == 0:
+            findings.append("the format reward is 0 for every completion: the completions never use the "
+                            "<think>/<answer> format; check the prompt's instructions and --chat-template")
+        if parts and all(seen(f"reward/{p}") == 1 for p in parts):
+            findings.append("every completion has the full reward: the task is solved for this model; use "
+                            "harder prompts")
+        elif reward == 0 and not findings:
+            findings.append("every completion scores 0: the task is too hard for this model, or the reward "
+                            "never matches its answers (look at a few completions and the answer column)")
+        if not findings:
+            findings.append(f"the completions of each prompt score alike (mean reward {reward:.3f}); more "
+                            f"--group-size or --temperature gives groups a chance to differ")
+        return (f"no learning signal: for {self.patience} steps in a row every group's completions had equal "
+                f"rewards (frac_zero_std 1), so the loss and gradient are 0: " + "; ".join(findings))
+
+
 class MetricsLog:
     """metrics.jsonl (one JSON object per step, with time/elapsed_s), tensorboard if asked, and a progress
-    line per step. On resume the file keeps the steps up to the checkpoint, so it stays one line per step.
-    With --eval-only it writes eval.json instead."""
+    line per step (with NoSignalWatch's warning). On resume the file keeps the steps up to the checkpoint, so
+    it stays one line per step. With --eval-only it writes eval.json instead."""
 
     def __init__(self, out_dir, resume_step, tensorboard, eval_only):
         self.out_dir, self.t_start, self.file, self.tb = out_dir, time.time(), None, None
+        self.no_signal = NoSignalWatch()
         os.makedirs(out_dir, exist_ok=True)
         if eval_only:
             return
@@ -118,10 +164,13 @@ class MetricsLog:
         if self.tb:
             for k, v in log.items():
                 self.tb.add_scalar(k, v, log["step"])
-        tqdm.write(f"step {log['step']:4d} | reward {log['reward/mean']:.3f} | loss {log['loss']:+.4f} | "
-                   f"kl {log['kl']:.4f} | len {log['completion_len/mean']:.1f} | "
-                   f"zero-std {log['frac_zero_std']:.2f}"
-                   + (f" | eval {log['eval/accuracy']:.3f}" if "eval/accuracy" in log else ""))
+        # an evaluation arrives a step or so after the push it scores: its own step says which weights
+        evals = f" | eval {log['eval/accuracy']:.3f} (step {log['eval/step']})" if "eval/step" in log else ""
+        print(f"step {log['step']:4d} | reward {log['reward/mean']:.3f} | loss {log['loss']:+.4f} | "
+              f"kl {log['kl']:.4f} | entropy {log['entropy']:.3f} | len {log['completion_len/mean']:.1f} | "
+              f"zero-std {log['frac_zero_std']:.2f}{evals}", flush=True)
+        if warning := self.no_signal.check(log):
+            print(warning, flush=True)
 
     def write_eval(self, model, task, n, evals):
         """--eval-only: the result, as one JSON line on stdout and in out_dir/eval.json."""

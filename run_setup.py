@@ -1,34 +1,61 @@
 """What a GRPO run needs that is not the algorithm: the system flags, process start-up, configuration
 checks, the model and DeepSpeed engine, the prompts, the reference check, and how the ranks share a
-batch. grpo_train.py uses it; read that first."""
+batch. grpo_train.py uses it; read that first. A user's mistake (a flag, the data) stops the run with one
+line (stop_with); a traceback means a bug."""
 import datetime
 import json
 import math
 import os
+import random
 import signal
 import sys
+import time
 from types import SimpleNamespace
 
 import deepspeed
 import torch
 import torch.distributed as dist
+import transformers
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora import vllm_weights
 from rewards import parse_reward_spec
 from ref_server import default_dtype, model_fingerprint, reload_reference, wait_for_server
-from tasks import drop_long_prompts, load_task
+from tasks import DataError, drop_long_prompts, load_task
+
+# a split held out of the train data (no test split) is the same rows whatever --seed, so runs compare
+HOLD_OUT_SEED = 1234
+
+
+def first_rank():
+    """Rank 0 (or a run without a launcher): the one that speaks for all, before and after the process group
+    is up."""
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def stop_with(message):
+    """A user's mistake: `message` in one line on stderr, exit status 1, no traceback. Every rank finds the
+    same mistake: the first says it; the others wait to be stopped by the launcher (it stops every rank
+    once one fails), so that none ends the run before the first has spoken, and say it only if not."""
+    if not first_rank():
+        time.sleep(30)
+    print(f"grpo_train.py: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
 # the attention and MLP projections of Qwen2 and Llama
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 def add_system_args(p):
-    """The flags that steer the machinery rather than the algorithm (grpo_train.py has those)."""
+    """The flags that steer the machinery rather than the algorithm (grpo_train.py has those); and a bad
+    flag's error in one line (argparse prints its whole usage first: 50 lines here)."""
+    p.error = lambda message: stop_with(f"{message} (--help lists the flags)")
     g = p.add_argument_group("data and memory")
     g.add_argument("--prompt-key", default="prompt", help="--task custom: the prompt column")
     g.add_argument("--answer-key", default="answer", help="--task custom: the answer column")
+    g.add_argument("--chat-template", default="auto", choices=["auto", "none"],
+                   help="auto: prompts through the tokenizer's chat template if it has one; none: as text")
     g.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward on a rank")
     g.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing: less memory, more compute")
     g.add_argument("--ds-config", default="ds_config.json", help="DeepSpeed config (ZeRO-2)")
@@ -55,7 +82,8 @@ def add_system_args(p):
                    help="minutes a collective may wait (rank 0 waits for vLLM's start and evaluations)")
     g = p.add_argument_group("evaluation, logging and checkpoints")
     g.add_argument("--eval-every", type=int, default=0, help="held-out eval every N steps (and first, last)")
-    g.add_argument("--eval-size", type=int, default=200, help="held-out samples per evaluation")
+    g.add_argument("--eval-size", type=int, default=200,
+                   help="held-out samples per evaluation (held out of --data when it has no test split)")
     g.add_argument("--eval-only", action="store_true", help="evaluate --model on the held-out split and exit")
     g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end)")
     g.add_argument("--keep-checkpoints", type=int, default=2,
@@ -78,8 +106,10 @@ def init_distributed(timeout_minutes, threads):
 
 def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_batch, steps, num_iterations,
                  max_gen_rounds, max_skips, temperature, tis_cap, overlong_buffer, max_new_tokens,
-                 ref_sync_every, beta, max_staleness, keep_checkpoints, lora_rank, lora_alpha, **_):
-    """Exits with one message naming every flag that is wrong, before anything is loaded or started."""
+                 ref_sync_every, beta, max_staleness, keep_checkpoints, eval_size, ds_config, gen_device,
+                 ref_url, lora_rank, lora_alpha, **_):
+    """Exits with one message naming every flag that is wrong, before anything is loaded or started;
+    if none is, rank 0 prints the run in one line: the model, where training and vLLM run, the reference."""
     # a hub id is "org/name"; anything else with a slash (or starting with . / ~) is meant as a local folder
     local = model.startswith((".", "/", "~")) or model.count("/") > 1
     try:
@@ -91,9 +121,9 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         (group_size < 2, "--group-size must be >= 2: advantages compare the completions of one prompt"),
         (prompts_per_step * group_size < world,
          f"--prompts-per-step x --group-size must be >= the number of training ranks ({world})"),
-        (min(micro_batch, prompts_per_step, steps, num_iterations, max_gen_rounds, max_skips) < 1,
-         "--micro-batch, --prompts-per-step, --steps, --num-iterations, --max-gen-rounds and --max-skips "
-         "must be >= 1"),
+        (min(micro_batch, prompts_per_step, steps, num_iterations, max_gen_rounds, max_skips, eval_size) < 1,
+         "--micro-batch, --prompts-per-step, --steps, --num-iterations, --max-gen-rounds, --max-skips and "
+         "--eval-size must be >= 1"),
         (min(max_staleness, keep_checkpoints) < 0, "--max-staleness and --keep-checkpoints must be >= 0"),
         (temperature < 1e-3, "--temperature must be >= 0.001 (the log-probs are taken at it)"),
         (tis_cap is not None and tis_cap <= 0, "--tis-cap must be > 0"),
@@ -102,10 +132,16 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         (not 0 <= overlong_buffer < max_new_tokens, "--overlong-buffer must be in [0, --max-new-tokens)"),
         (ref_sync_every and beta == 0, "--ref-sync-every needs a reference model (--beta > 0)"),
         (local and not os.path.isdir(os.path.expanduser(model)), f"--model {model}: no such folder"),
+        (not os.path.isfile(ds_config), f"--ds-config {ds_config}: no such file"),
         (bad_rewards, bad_rewards),
     ] if bad]
     if problems:
-        raise SystemExit("grpo_train.py: " + "; ".join(problems))
+        stop_with("; ".join(problems))
+    if first_rank():
+        on = "GPU" if torch.cuda.is_available() else "CPU"
+        reference = f"reference server {ref_url} (--beta {beta})" if beta > 0 else "no reference (--beta 0)"
+        print(f"grpo_train.py: model {model}; {world} training rank{'s' * (world > 1)} on {on} (DeepSpeed, "
+              f"{ds_config}); vLLM on {on}{f' {gen_device}' * (on == 'GPU')}; {reference}", flush=True)
 
 
 def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, seed=0, **_):
@@ -113,6 +149,8 @@ def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_ta
     natively, fp32 otherwise; vLLM is then given the same (generation.vllm_dtype). lora_rank > 0: peft's LoRA
     adapters (B starts at zero: the policy starts as the base model) are its only trainable weights."""
     dtype = getattr(torch, default_dtype("cuda" if torch.cuda.is_available() else "cpu"))
+    # progress bars of the model's load and of each checkpoint's save would cut into the step lines
+    transformers.utils.logging.disable_progress_bar()
     model_name, tok = model, AutoTokenizer.from_pretrained(model)
     model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype)
     if lora_rank:
@@ -154,15 +192,42 @@ def build_engine(model, ds_config_path, lr, micro_batch):
     return engine
 
 
-def load_prompts(task, tok, *, data, seed, max_prompt_len, eval_size, prompt_key, answer_key):
+def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key, answer_key, chat_template,
+                 **_):
     """-> (train samples, held-out samples, number of prompts skipped for being over max_prompt_len).
-    Each sample has its prompt's token ids ("prompt_ids", from drop_long_prompts), which vLLM is given."""
-    load = lambda split: load_task(task, split, data=data, seed=seed, tokenizer=tok, prompt_key=prompt_key,
-                                   answer_key=answer_key)
-    train_set, too_long = drop_long_prompts(load("train"), tok, max_prompt_len)
-    eval_set = drop_long_prompts(load("test"), tok, max_prompt_len)[0][:eval_size]
+    Each sample has its prompt's token ids ("prompt_ids", from drop_long_prompts), which vLLM is given.
+    Data without a test split gives eval_size rows of its train split to the held-out set (a shuffle seeded
+    HOLD_OUT_SEED), never trained on. A mistake in the data stops the run with one line. Rank 0 says what
+    was loaded."""
+    try:
+        train_all, test = [load_task(task, split, data=data, seed=seed, tokenizer=tok, prompt_key=prompt_key,
+                                     answer_key=answer_key, chat_template=chat_template)
+                           for split in ("train", "test")]
+    except DataError as e:
+        stop_with(e)
+    source, note = f"--task {task}" + (f" --data {data}" if data else ""), ""
+    if test is None:
+        if len(train_all) <= eval_size:
+            stop_with(f"{source} has no test split and {len(train_all)} records: --eval-size {eval_size} "
+                      f"held out of them would leave none to train on (pass a smaller --eval-size)")
+        order = random.Random(HOLD_OUT_SEED).sample(range(len(train_all)), len(train_all))
+        test = [train_all[i] for i in order[:eval_size]]
+        train_all = [train_all[i] for i in sorted(order[eval_size:])]
+        note = (f" (no test split: {eval_size} of its rows, a shuffle seeded {HOLD_OUT_SEED}, held out and "
+                f"never trained on)")
+    train_set, too_long = drop_long_prompts(train_all, tok, max_prompt_len)
+    eval_set = drop_long_prompts(test, tok, max_prompt_len)[0][:eval_size]
     if not train_set:
-        raise SystemExit(f"grpo_train.py: every prompt of --task {task} is longer than --max-prompt-len")
+        lengths = [len(tok(s["prompt"], add_special_tokens=False)["input_ids"]) for s in train_all]
+        # the usual cause: a chat template's system prompt and turn markers around short prompts
+        templated = chat_template == "auto" and getattr(tok, "chat_template", None) and task != "demo"
+        why = " with the chat template; --chat-template none: the prompts as they are" if templated else ""
+        stop_with(f"{source}: no prompt to train on: " + (
+            f"all {len(lengths)} are longer than --max-prompt-len {max_prompt_len} tokens (the shortest has "
+            f"{min(lengths)}{why})" if lengths else "no records"))
+    if first_rank():
+        print(f"grpo_train.py: {source}: {len(train_set)} prompts to train on ({too_long} longer than "
+              f"--max-prompt-len skipped), {len(eval_set)} held out for evaluation{note}", flush=True)
     return train_set, eval_set, too_long
 
 

@@ -11,12 +11,16 @@ and "answer" (the gold answer the rewards compare against).
                dataset (--data), with a prompt column and an answer column (prompt_key, answer_key); every
                other column stays in the sample for the rewards (e.g. "tests" for the code reward)
 
-Prompts of the real tasks go through the tokenizer's chat template with SYSTEM_PROMPT.
+Prompts of the real tasks go through the tokenizer's chat template with SYSTEM_PROMPT (chat_template "auto");
+with chat_template "none" a custom prompt is the column's text exactly, a built-in task's the plain text.
+A task read from files that has no test split returns None for it: run_setup.load_prompts then holds out rows
+of the train split. A problem with the user's data is a DataError naming the file, line and column.
 """
 import itertools
 import json
 import os
 import random
+import re
 
 import rewards
 
@@ -24,6 +28,12 @@ SYSTEM_PROMPT = ("You are a careful problem solver. First think step by step ins
                  "give only the final answer inside <answer> </answer>.")
 COUNTDOWN_SIZES = {"train": 10000, "test": 500}
 COUNTDOWN_TEST_SEED = 1234   # the held-out problems never depend on --seed, so runs compare
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class DataError(ValueError):
+    """The user's data is not what the task reads (a missing file, column or split, a malformed record): the
+    message names the file, line and column, and the run stops with it alone (run_setup.load_prompts)."""
 
 
 def shuffled_forever(n: int, seed: int, skip: int = 0):
@@ -43,38 +53,50 @@ def drop_long_prompts(samples: list[dict], tokenizer, max_len: int) -> tuple[lis
     return kept, len(samples) - len(kept)
 
 
-def chat_prompt(tokenizer, user: str) -> str:
+def chat_prompt(tokenizer, user: str, chat_template: str = "auto") -> str:
     """System prompt + user turn + the start of the assistant's turn, as the tokenizer's chat template writes
-    them; a tokenizer without a template (a base model's) gets the same text as plain paragraphs."""
+    them; with chat_template "none", or a tokenizer without a template (a base model's), the same text as
+    plain paragraphs."""
     if tokenizer is None:
         raise ValueError("this task builds its prompts with the tokenizer's chat template: pass tokenizer=")
-    if not getattr(tokenizer, "chat_template", None):
+    if chat_template == "none" or not getattr(tokenizer, "chat_template", None):
         return f"{SYSTEM_PROMPT}\n\n{user}\n\n"
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def data_file(data: str, split: str) -> str:
-    """--data is a folder holding {train,test}.{jsonl,parquet} (the layout of the GSM8K release), or one such
-    file whose name contains "train" or "test": the other split is the file with that word swapped."""
+def data_file(data: str, split: str) -> str | None:
+    """-> the file of `split` ("train" or "test") that --data names, or None for a test split it lacks.
+    --data is a folder holding {train,test}.{jsonl,parquet} (the layout of the GSM8K release), or a file: one
+    whose name has the word "train" or "test" (gsm_train_v2.jsonl) finds the other split by swapping that
+    word; any other file is the train split alone."""
     if os.path.isdir(data):
         candidates = [os.path.join(data, f"{split}.{ext}") for ext in ("jsonl", "parquet")]
+    elif not os.path.isfile(data):
+        raise DataError(f"--data {data}: no such file or folder")
+    elif not data.endswith(DATA_SUFFIXES):
+        raise DataError(f"--data {data}: not a JSONL or Parquet file (.jsonl, .json, .parquet), nor a folder")
     else:
         name, other = os.path.basename(data), "test" if split == "train" else "train"
-        if split not in name and other not in name:
-            raise ValueError(f"--data {data}: a file's name must contain 'train' or 'test' "
-                             f"(or pass a folder)")
-        swapped = os.path.join(os.path.dirname(data), name.replace(other, split))
-        candidates = [data if split in name else swapped]
+        # the word alone, not inside another one ("contest")
+        word = lambda w: rf"(?<![a-zA-Z]){w}(?![a-zA-Z])"
+        if re.search(word(split), name):
+            candidates = [data]
+        elif re.search(word(other), name):
+            candidates = [os.path.join(os.path.dirname(data), re.sub(word(other), split, name))]
+        else:
+            candidates = [data] if split == "train" else []
     for path in candidates:
         if os.path.isfile(path):
             return path
-    raise ValueError(f"--data {data}: no {split} split (looked for {' and '.join(candidates)})")
+    if split == "test":
+        return None
+    raise DataError(f"--data {data}: no {split} split (looked for {' and '.join(candidates)})")
 
 
 def read_records(path: str) -> list[tuple[str, dict]]:
     """(where, record) for each record of a JSONL or Parquet file, where = "path:line" (or "path row i"), so
-    that an error names the place; a bad line is a ValueError naming the file and line."""
+    that an error names the place; a bad line is a DataError naming the file and line."""
     if path.endswith(".parquet"):
         import datasets
         return [(f"{path} row {i}", r) for i, r in enumerate(datasets.load_dataset("parquet", data_files=path,
@@ -84,27 +106,33 @@ def read_records(path: str) -> list[tuple[str, dict]]:
         for i, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    out.append((f"{path}:{i}", json.loads(line)))
+                    out.append((f"{path}:{i}", json.loads(line.rstrip("\n"))))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i}: not a JSON line ({e})") from None
+                    raise DataError(f"{path}:{i}: not a JSON line ({e.msg}, column {e.colno})") from None
     return out
 
 
-def gsm8k_samples(split: str, data: str | None, tokenizer) -> list[dict]:
+def local_records(data: str, split: str) -> list[tuple[str, dict]] | None:
+    """read_records of the file of `split` that --data names; None for a test split it does not have."""
+    path = data_file(data, split)
+    return None if path is None else read_records(path)
+
+
+def gsm8k_samples(split: str, data: str | None, tokenizer, chat_template: str) -> list[dict] | None:
     if data is None:   # from the hub (needs the internet once; cached by datasets afterwards)
         import datasets
         records = [(f"openai/gsm8k {split} row {i}", r)
                    for i, r in enumerate(datasets.load_dataset("openai/gsm8k", "main", split=split), 1)]
-    else:
-        records = read_records(data_file(data, split))
+    elif (records := local_records(data, split)) is None:
+        return None
     out = []
     for where, r in records:
         if not (isinstance(r, dict) and isinstance(r.get("question"), str)
                 and "####" in str(r.get("answer"))):
-            raise ValueError(f"{where}: a GSM8K record needs a 'question' and an 'answer' ending in "
-                             f"'#### <number>'")
+            raise DataError(f"{where}: a GSM8K record needs a 'question' and an 'answer' ending in "
+                            f"'#### <number>'")
         gold = r["answer"].split("####")[-1].strip().replace(",", "")
-        out.append({"prompt": chat_prompt(tokenizer, r["question"]), "answer": gold})
+        out.append({"prompt": chat_prompt(tokenizer, r["question"], chat_template), "answer": gold})
     return out
 
 
@@ -128,19 +156,22 @@ def countdown_problems(n: int, seed: int, exclude=frozenset()) -> list[dict]:
 
 
 def countdown_record(where: str, r) -> dict:
-    """r if it has "numbers" (a list of integers) and an integer "target", else a ValueError naming `where`: a
+    """r if it has "numbers" (a list of integers) and an integer "target", else a DataError naming `where`: a
     malformed problem would otherwise score 0 forever, silently."""
     is_int = lambda x: type(x) is int   # not bool, not float: the reward compares exact integers
     if not (isinstance(r, dict) and isinstance(r.get("numbers"), list) and r["numbers"]
             and all(map(is_int, r["numbers"])) and is_int(r.get("target"))):
-        raise ValueError(f"{where}: a Countdown record needs 'numbers' (a list of integers) and an integer "
+        raise DataError(f"{where}: a Countdown record needs 'numbers' (a list of integers) and an integer "
                          f"'target'")
     return r
 
 
-def countdown_samples(split: str, data: str | None, seed: int, tokenizer) -> list[dict]:
+def countdown_samples(split: str, data: str | None, seed: int, tokenizer,
+                      chat_template: str) -> list[dict] | None:
     if data is not None:
-        problems = [countdown_record(where, r) for where, r in read_records(data_file(data, split))]
+        if (records := local_records(data, split)) is None:
+            return None
+        problems = [countdown_record(where, r) for where, r in records]
     else:
         test = countdown_problems(COUNTDOWN_SIZES["test"], COUNTDOWN_TEST_SEED)
         held_out = {(tuple(sorted(p["numbers"])), p["target"]) for p in test}
@@ -150,7 +181,7 @@ def countdown_samples(split: str, data: str | None, seed: int, tokenizer) -> lis
         user = (f"Using the numbers {p['numbers']}, write an equation that equals {p['target']}. Use + - * / "
                 f"and parentheses; use each number exactly once. Put only the expression, like (1 + 2) * 3, "
                 f"in <answer> </answer>.")
-        out.append({**p, "prompt": chat_prompt(tokenizer, user), "answer": p["target"]})
+        out.append({**p, "prompt": chat_prompt(tokenizer, user, chat_template), "answer": p["target"]})
     return out
 
 
@@ -208,55 +239,70 @@ PROBLEMS = [
 ]
 
 
-def code_samples(split: str, tokenizer) -> list[dict]:
+def code_samples(split: str, tokenizer, chat_template: str) -> list[dict]:
     """Every fourth problem is held out ("test")."""
     out = []
     for i, (signature, what, solution, tests) in enumerate(PROBLEMS):
         if (i % 4 == 3) == (split == "test"):
             user = (f"Write a Python function `{signature}` that {what}. Put only the code of the function "
                     f"in <answer> </answer>.")
-            out.append({"prompt": chat_prompt(tokenizer, user), "answer": solution, "tests": tests})
+            prompt = chat_prompt(tokenizer, user, chat_template)
+            out.append({"prompt": prompt, "answer": solution, "tests": tests})
     return out
 
 
-def custom_samples(split: str, data: str | None, tokenizer, prompt_key: str, answer_key: str) -> list[dict]:
-    """Records of --data (local files as data_file finds them, else a hub dataset's split): the prompt column
-    through chat_prompt, the answer column as "answer", the other columns kept as they are."""
+def custom_samples(split: str, data: str | None, tokenizer, prompt_key: str, answer_key: str,
+                   chat_template: str) -> list[dict] | None:
+    """Records of --data (local files as data_file finds them, else a hub dataset's split; None for a test
+    split it does not have): the prompt column through chat_prompt (with chat_template "none", as it is), the
+    answer column as "answer", the other columns kept as they are."""
     if data is None:
-        raise ValueError("--task custom reads --data: a JSONL or Parquet file, a folder with train/test "
-                         "files, or a hub dataset name")
-    if os.path.exists(data):
-        records = read_records(data_file(data, split))
+        raise DataError("--task custom reads --data: a JSONL or Parquet file, a folder with train/test "
+                        "files, or a hub dataset name")
+    # a file's name (or a path) that is not there is a typo, not a hub dataset to look for
+    if os.path.exists(data) or data.endswith(DATA_SUFFIXES) or data.startswith((".", "/", "~")):
+        records = local_records(data, split)
     else:   # a hub dataset (needs the internet once; cached by datasets afterwards)
         import datasets
-        rows = datasets.load_dataset(data, split=split)
-        records = [(f"{data} {split} row {i}", r) for i, r in enumerate(rows, 1)]
+        try:
+            splits = datasets.load_dataset(data)
+        except datasets.exceptions.DatasetNotFoundError:
+            raise DataError(f"--data {data}: no such file, folder or hub dataset") from None
+        if split == "train" and split not in splits:
+            raise DataError(f"--data {data}: no train split (the hub dataset has {', '.join(splits)})")
+        records = [(f"{data} {split} row {i}", r) for i, r in enumerate(splits[split], 1)] \
+            if split in splits else None
+    if records is None:
+        return None
     out = []
     for where, r in records:
-        for key, flag in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
+        for key, flag in ((prompt_key, "--prompt-key"), (answer_key, "--answer-key")):
             if not isinstance(r, dict) or r.get(key) is None:
                 have = ", ".join(map(repr, r)) if isinstance(r, dict) else type(r).__name__
-                raise ValueError(f"{where}: no {key!r} column ({flag}); this record has {have}")
+                raise DataError(f"{where}: no {key!r} column ({flag}); this record has {have}")
         if not isinstance(r[prompt_key], str):
-            raise ValueError(f"{where}: the {prompt_key!r} column must be text, "
-                             f"not {type(r[prompt_key]).__name__}")
-        out.append({**r, "prompt": chat_prompt(tokenizer, r[prompt_key]), "answer": r[answer_key]})
+            raise DataError(f"{where}: the {prompt_key!r} column must be text, "
+                            f"not {type(r[prompt_key]).__name__}")
+        prompt = r[prompt_key] if chat_template == "none" else chat_prompt(tokenizer, r[prompt_key])
+        out.append({**r, "prompt": prompt, "answer": r[answer_key]})
     return out
 
 
 def load_task(name: str, split: str, *, data: str | None = None, seed: int = 0, tokenizer=None,
-              prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict]:
-    """split is "train" (sampled for GRPO) or "test" (held out, for evaluation only); prompt_key and
-    answer_key name the columns of --task custom."""
+              prompt_key: str = "prompt", answer_key: str = "answer",
+              chat_template: str = "auto") -> list[dict] | None:
+    """split is "train" (sampled for GRPO) or "test" (held out, for evaluation only; None when --data has no
+    test split); prompt_key and answer_key name the columns of --task custom; chat_template "auto" applies
+    the tokenizer's, "none" leaves the prompts as text (the demo's are plain text either way)."""
     if name == "demo":
         from demo.task import make_samples
         return make_samples(split, seed=seed)
     if name == "gsm8k":
-        return gsm8k_samples(split, data, tokenizer)
+        return gsm8k_samples(split, data, tokenizer, chat_template)
     if name == "countdown":
-        return countdown_samples(split, data, seed, tokenizer)
+        return countdown_samples(split, data, seed, tokenizer, chat_template)
     if name == "code":
-        return code_samples(split, tokenizer)
+        return code_samples(split, tokenizer, chat_template)
     if name == "custom":
-        return custom_samples(split, data, tokenizer, prompt_key, answer_key)
-    raise ValueError(f"unknown task {name!r}: expected one of demo, gsm8k, countdown, code, custom")
+        return custom_samples(split, data, tokenizer, prompt_key, answer_key, chat_template)
+    raise DataError(f"--task {name}: unknown: expected one of demo, gsm8k, countdown, code, custom")

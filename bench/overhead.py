@@ -58,9 +58,7 @@ def alone(a, extra, out):
               max_model_len=args.max_prompt_len + args.max_new_tokens, logprobs_mode="processed_logprobs")
     init_distributed(10, 1)
     model, tok = load_policy(args.model, False)
-    train_set, _, _ = load_prompts(args.task, tok, data=None, seed=args.seed, max_prompt_len=args.max_prompt_len,
-                                   eval_size=args.eval_size, prompt_key=args.prompt_key,
-                                   answer_key=args.answer_key)
+    train_set, _, _ = load_prompts(tok, **{**vars(args), "data": None})
     ref = ref_server.load_model(args.model)
     engine = build_engine(model, args.ds_config, args.lr, args.micro_batch)
     order = shuffled_forever(len(train_set), args.seed)

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The demo's GRPO settings (passed to grpo_train.py; anything after `--` on our command line overrides them).
@@ -49,7 +51,12 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                  os.path.join(sys.prefix, "torch_extensions"))}
+                                                  os.path.join(sys.prefix, "torch_extensions")),
+           # the bars of loading and saving the model would only cut into the step lines
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    if not torch.cuda.is_available():
+        # DeepSpeed warns, in each of its 3 processes, that it found no GPU and uses the CPU: what we expect
+        env.setdefault("DS_ACCELERATOR", "cpu")
 
     # 1. the tiny model, warm-started
     if not a.model:
@@ -66,7 +73,10 @@ def main(argv=None):
                                "--threads", "1", "--checkpoint-dir", out], cwd=ROOT, env=env)
     try:
         deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-        run = subprocess.Popen([deepspeed, "--num_gpus", str(a.world_size), "--master_port", str(free_port()),
+        # the launcher at --log_level warning: its INFO lines (its environment, each rank's command) are for
+        # debugging the launcher; its warnings and errors still show
+        run = subprocess.Popen([deepspeed, "--log_level", "warning", "--num_gpus", str(a.world_size),
+                                "--master_port", str(free_port()),
                                 "grpo_train.py", "--model", model_dir, "--out-dir", out, "--ref-url", url,
                                 "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
                                 *TRAIN_FLAGS, *extra], cwd=ROOT, env=env, start_new_session=True)

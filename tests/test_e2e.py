@@ -2,6 +2,7 @@
 loopback, DeepSpeed ZeRO-2 with gloo), at world size 1 and 2, on the warm-started demo model."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ REQUIRED = ["step", "reward/mean", "reward/demo", "reward/overlong", "reward/err
             "batch/groups", "data/prompts_seen", "data/too_long", "grad_norm", "skipped_steps", "stale_dropped",
             "policy_lag", "sync/logp_diff", "time/gen_s", "time/gen_idle_s", "time/wait_s", "time/ref_s",
             "time/train_s", "time/sync_s", "time/elapsed_s", "ratio/mean", "ratio/max",
-            "sampling/logp_diff_mean", "sampling/logp_diff_max"]
+            "sampling/logp_diff_mean", "sampling/logp_diff_max", "entropy"]
 
 
 def run_demo(out_dir, *args, timeout=600):
@@ -24,7 +25,7 @@ def run_demo(out_dir, *args, timeout=600):
                        env=env, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return p.stdout, [json.loads(line) for line in f]
+        return p, [json.loads(line) for line in f]
 
 
 def test_short_run_finishes_logs_checkpoints_and_learns(tmp_path, demo_model):
@@ -33,7 +34,7 @@ def test_short_run_finishes_logs_checkpoints_and_learns(tmp_path, demo_model):
     newest --keep-checkpoints survive, and vLLM's process saw exactly --gen-device (3: no GPU here, so
     the CPU build ignores it)."""
     steps = 20
-    stdout, rows = run_demo(tmp_path, "--model", demo_model, "--steps", str(steps), "--eval-every", "10",
+    p, rows = run_demo(tmp_path, "--model", demo_model, "--steps", str(steps), "--eval-every", "10",
                             "--world-size", "2", "--", "--save-every", "5", "--keep-checkpoints", "2",
                             "--gen-device", "3")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))   # one line per optimizer step
@@ -45,13 +46,22 @@ def test_short_run_finishes_logs_checkpoints_and_learns(tmp_path, demo_model):
         if r["policy_lag"] == 0:   # sampled by these very weights: the ratio is 1, nothing clips
             assert r["clip/low"] == r["clip/high"] == 0 and r["ratio/max"] == pytest.approx(1, abs=1e-4)
         assert r["skipped_steps"] == 0 and r["data/too_long"] == 0 and r["batch/groups"] <= 16
+        assert r["entropy"] > 0 or r["batch/groups"] == 0   # over the tokens in the loss, when there are any
     evals = [(r["eval/step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     assert evals[0][0] == 0 and evals[-1][0] == steps
     reward = [r["reward/mean"] for r in rows]
     assert sum(reward[-10:]) / 10 > sum(reward[:10]) / 10 + 0.05, reward   # the reward goes up
-    assert "held-out accuracy:" in stdout.splitlines()[-1]
+    assert "held-out accuracy:" in p.stdout.splitlines()[-1]
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_15", "step_20"]
-    assert "generation process: CUDA_VISIBLE_DEVICES=3" in stdout
+    assert "generation process: CUDA_VISIBLE_DEVICES=3" in p.stdout
+    # issue 23, the console: one line per step, at column 0 (no progress bar before it); no false "Failed to
+    # load weights" (vLLM said it twice a push); and few other lines: with the warm start's 7 and 60 steps,
+    # the full demo stays within 150 lines
+    console = (p.stdout + p.stderr).splitlines()
+    step_lines = [line for line in console if re.search(r"step +\d+ \|", line)]
+    assert [line.split("|")[0] for line in step_lines] == [f"step {s:4d} " for s in range(1, steps + 1)]
+    assert not [line for line in console if "Failed to load weights" in line]
+    assert len(console) - steps <= 150 - 60 - 7, "\n".join(console)
     ckpt = tmp_path / f"step_{steps}"
     assert (ckpt / "config.json").exists() and (ckpt / "model.safetensors").exists()
     assert (ckpt / "tokenizer.json").exists()
@@ -274,3 +284,26 @@ def test_lora_with_gspo_learns_pushes_merged_weights_and_resumes(tmp_path, demo_
                        "--resume")
     assert rows[-1]["step"] == 11 and rows[-1]["sync/logp_diff"] < 1e-3
     assert rows[-1]["eval/accuracy"] >= evals[0] + 0.30, rows[-1]
+
+
+def test_own_data_in_one_file_and_no_learning_signal_said_aloud(tmp_path, tiny_model):
+    """Issue 23, one launch: --task custom on a file with any name and no test split (--eval-size rows are
+    held out, and the run says so at start), completion-style prompts (--chat-template none: 6 tokens, under
+    --max-prompt-len 16), and a reward that is always 0 (the random tiny model never writes the answer): every
+    group has equal rewards, and by the third step the run says "no learning signal:" and what it sees."""
+    data = tmp_path / "my prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": "never"}) + "\n" for a in range(10, 40)))
+    cmd = [DEEPSPEED, "--num_gpus", "1", "--master_port", "29607", "grpo_train.py", "--model", tiny_model,
+           "--out-dir", str(tmp_path / "run"), "--task", "custom", "--data", str(data), "--chat-template", "none",
+           "--rewards", "demo", "--steps", "3", "--beta", "0", "--prompts-per-step", "2", "--group-size", "2",
+           "--max-new-tokens", "8", "--max-prompt-len", "16", "--eval-size", "5"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    assert re.search(r"--data .*my prompts.jsonl: 25 prompts to train on .* 5 held out for evaluation \(no test "
+                     r"split: 5 of its rows, a shuffle seeded 1234, held out and never trained on\)", p.stdout)
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["frac_zero_std"] for r in rows] == [1, 1, 1] and rows[-1]["eval/step"] == 3
+    (warning,) = [line for line in p.stdout.splitlines() if "no learning signal" in line]
+    assert warning.startswith("no learning signal: for 3 steps in a row"), warning
+    assert "every completion scores 0" in warning or "cut at --max-new-tokens" in warning, warning

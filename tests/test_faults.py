@@ -1,6 +1,7 @@
 """Faults during a run, through the real deepspeed launcher: each is noticed, named, and ends the run cleanly."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -283,7 +284,7 @@ def test_resume_after_sigkill_continues_the_run(tmp_path, demo_model):
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_check_config_names_every_bad_flag():
+def test_check_config_names_every_bad_flag(capsys):
     from grpo_train import get_args
     from run_setup import check_config
     ok = get_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])   # a hub id is not checked for a local folder
@@ -291,13 +292,17 @@ def test_check_config_names_every_bad_flag():
     bad = get_args(["--model", "./no/such/folder", "--group-size", "1", "--prompts-per-step", "0",
                     "--rewards", "gsm8k,nope", "--temperature", "0", "--overlong-buffer", "600",
                     "--ref-sync-every", "2", "--beta", "0", "--max-staleness", "-1", "--lora-rank", "-1"])
+    assert capsys.readouterr().out.startswith("grpo_train.py: model Qwen/Qwen2.5-0.5B-Instruct; 2 training ranks")
     with pytest.raises(SystemExit) as e:
         check_config(2, **vars(bad))
+    err = capsys.readouterr().err   # one line, naming every flag
+    assert e.value.code == 1 and err.count("\n") == 1
     for flag in ("--group-size", "--prompts-per-step", "--rewards", "--temperature", "--overlong-buffer",
                  "--ref-sync-every", "--max-staleness", "--lora-rank", "--model ./no/such/folder: no such folder"):
-        assert flag in str(e.value), flag
-    with pytest.raises(SystemExit, match="must be >= the number of training ranks"):
+        assert flag in err, flag
+    with pytest.raises(SystemExit):
         check_config(4, **vars(get_args(["--model", "m/m", "--prompts-per-step", "1", "--group-size", "2"])))
+    assert "must be >= the number of training ranks" in capsys.readouterr().err
 
 
 def test_reference_server_with_another_model_is_refused(tmp_path, tiny_model, demo_model):
@@ -308,17 +313,20 @@ def test_reference_server_with_another_model_is_refused(tmp_path, tiny_model, de
     assert rc != 0 and f"http://127.0.0.1:{port} serves another model than --model {demo_model}" in out
 
 
-def test_long_prompts_are_skipped_and_a_task_with_none_left_is_refused():
+def test_long_prompts_are_skipped_and_a_task_with_none_left_is_refused(capsys):
     from demo.tiny_model import build_tokenizer
     from run_setup import load_prompts
     tok = build_tokenizer()
-    kw = dict(data=None, seed=0, eval_size=200, prompt_key="prompt", answer_key="answer")
+    kw = dict(task="demo", data=None, seed=0, eval_size=200, prompt_key="prompt", answer_key="answer",
+              chat_template="auto")
     # the demo's prompts ("37+5=") are 5 tokens: a limit of 5 keeps all 360, a limit of 4 skips every one
-    train, held_out, too_long = load_prompts("demo", tok, max_prompt_len=5, **kw)
+    train, held_out, too_long = load_prompts(tok, max_prompt_len=5, **kw)
     assert (len(train), len(held_out), too_long) == (360, 90, 0)
     assert train[0]["prompt_ids"] == tok(train[0]["prompt"], add_special_tokens=False)["input_ids"]
-    with pytest.raises(SystemExit, match="every prompt of --task demo is longer than --max-prompt-len"):
-        load_prompts("demo", tok, max_prompt_len=4, **kw)
+    with pytest.raises(SystemExit):
+        load_prompts(tok, max_prompt_len=4, **kw)
+    assert "--task demo: no prompt to train on: all 360 are longer than --max-prompt-len 4 tokens (the " \
+        "shortest has 5)" in capsys.readouterr().err
 
 
 def test_buckets_are_consecutive_one_dtype_and_bounded():
@@ -368,3 +376,67 @@ def test_weights_cross_in_buckets_unchanged(bucket_bytes):
     assert [name for name, _, _ in got] == list(tensors)
     for (name, dtype_ok, values), t in zip(got, tensors.values()):
         assert dtype_ok and values == t.tolist(), name
+
+
+# ---------------------------------------------------------------- a user's mistake: one line, no traceback
+
+# the launcher's own log lines ("[2026-11-24 00:33:10,549] [INFO] [launch.py:253:sigkill_handler] ...")
+LAUNCHER_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\] \[(INFO|WARNING|ERROR)\] \[(\w+)\.py:")
+
+
+def said(out):
+    """(the lines the ranks wrote, the launcher's lines after the first rank line that names an error).
+    DeepSpeed's CPU build says it loaded its shared-memory op at every start: a start-up line, not the
+    mistake's."""
+    ours = [(i, line) for i, line in enumerate(out.splitlines()) if line.strip() and not LAUNCHER_LINE.match(line)
+            and not line.endswith("deepspeed_shm_comm_op built successfully")]
+    errors = [i for i, line in ours if not line.startswith("grpo_train.py: model ")]
+    after = [line for line in out.splitlines()[errors[0]:] if LAUNCHER_LINE.match(line)] if errors else []
+    return [line for _, line in ours], after
+
+
+def test_each_kind_of_mistake_ends_in_one_line_through_the_launcher(tmp_path, tiny_model):
+    """Issue 23: a wrong --data, a missing column, a malformed record and a bad flag value each end the run
+    with one line naming the flag, file, line and column, and a non-zero exit status; no rank prints a
+    traceback, and the launcher adds only its report of the exit (before: ~30 lines, a traceback per rank).
+    The bad flag runs at world size 2, where both ranks find it and one says it. Launched side by side."""
+    (tmp_path / "columns.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    (tmp_path / "broken.jsonl").write_text(json.dumps({"prompt": "q", "answer": "a"}) + '\n{"prompt": "q",\n')
+    custom = ["--task", "custom", "--beta", "0", "--data"]
+    cases = {"data": ([*custom, str(tmp_path / "my_data.jsonl")], 1,
+                      r"--data .*my_data.jsonl: no such file or folder"),
+             "column": ([*custom, str(tmp_path / "columns.jsonl")], 1,
+                        r".*columns.jsonl:1: no 'prompt' column \(--prompt-key\); this record has "
+                        r"'question', 'answer'"),
+             "record": ([*custom, str(tmp_path / "broken.jsonl")], 1,
+                        r".*broken.jsonl:2: not a JSON line \(Expecting property name enclosed in double quotes, "
+                        r"column 16\)"),
+             "flag": (["--beta", "0", "--eval-size", "0"], 2, r".*--eval-size must be >= 1"),
+             "choice": (["--chat-template", "chatml"], 1,
+                        r"argument --chat-template: invalid choice: 'chatml' .*\(--help lists the flags\)")}
+    runs = {}
+    for port, (name, (flags, world, _)) in enumerate(cases.items(), 29710):
+        os.makedirs(tmp_path / name)
+        cmd = [DEEPSPEED, "--num_gpus", str(world), "--master_port", str(port), "grpo_train.py", "--model",
+               tiny_model, "--out-dir", str(tmp_path / name), "--max-prompt-len", "64", *flags]
+        log = open(tmp_path / name / "run.log", "w")
+        runs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        runs[name].log = log.name
+        RUNS.append(runs[name])
+    for name, (_, world, expected) in cases.items():
+        rc, out = finish(runs[name])
+        lines, launcher = said(out)
+        assert rc != 0 and "Traceback" not in out and "[rank" not in out, out[-3000:]
+        (error,) = [line for line in lines if not line.startswith("grpo_train.py: model ")]
+        assert re.fullmatch("grpo_train.py: " + expected, error), (name, error)
+        # the start-up summary (once the flags are right), then the mistake: nothing else from any rank
+        assert len(lines) <= 2, (name, lines)
+        assert all("Killing subprocess" in line or "exits with return code" in line for line in launcher), launcher
+
+
+def test_a_bad_flag_without_the_launcher_is_one_line(tiny_model):
+    p = subprocess.run([sys.executable, "grpo_train.py", "--model", tiny_model, "--steps", "ten"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    # stdout: at most DeepSpeed's own note, at import, that it found no GPU
+    assert p.returncode != 0 and all(LAUNCHER_LINE.match(line) for line in p.stdout.splitlines())
+    assert p.stderr == "grpo_train.py: argument --steps: invalid int value: 'ten' (--help lists the flags)\n"

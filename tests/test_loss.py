@@ -262,6 +262,27 @@ def test_completion_logps_match_a_plain_forward(tiny_model, temperature):
             assert torch.allclose(got[i, :len(c)].double(), want, atol=1e-5)
 
 
+def test_entropy_matches_a_plain_forward_and_keeps_nothing_for_the_backward(tiny_model):
+    """completion_logps(entropy=True): the policy's per-token entropy at the temperature, from the chunked
+    lm_head, equals -sum p log p of the full logits; it is detached (no part of the graph), and the log-probs
+    and their gradient are the same as without it."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    prompts, completions = [[10, 11, 12], [20]], [[30, 31, 0], [50, 51, 52, 53, 54]]
+    ids, attn, cmask = pad_batch(prompts, completions, 0)
+    logps, entropy = completion_logps(model, ids, attn, cmask.shape[1], 0.7, chunk=3, entropy=True)
+    assert logps.requires_grad and not entropy.requires_grad and entropy.grad_fn is None
+    with torch.no_grad():
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1:-1].double() / 0.7
+            logp = torch.log_softmax(logits, -1)
+            want = -(logp.exp() * logp).sum(-1)
+            assert torch.allclose(entropy[i, :len(c)].double(), want, atol=1e-5)
+            assert want.min() > 0.1   # a random model: far from 0, so the comparison means something
+    plain = completion_logps(model, ids, attn, cmask.shape[1], 0.7, chunk=3)
+    grads = [torch.autograd.grad((x * cmask).sum(), model.lm_head.weight)[0] for x in (logps, plain)]
+    assert torch.equal(logps, plain) and torch.equal(grads[0], grads[1])
+
+
 def test_importing_grpo_train_parses_nothing_and_starts_nothing():
     """`import grpo_train` (as the ref server and these tests do) must not parse argv or spawn anything."""
     import subprocess

@@ -2,6 +2,7 @@
 generation, the `ast` checker against hostile input, prompt-length skipping."""
 import json
 import os
+import re
 
 import pytest
 
@@ -36,24 +37,61 @@ def test_gsm8k_from_a_local_folder_or_file_through_the_chat_template(tmp_path):
 
 
 def test_gsm8k_bad_data_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="no test split"):
-        write_jsonl(tmp_path / "train.jsonl", GSM)
-        tasks.load_task("gsm8k", "test", data=str(tmp_path), tokenizer=TOK)
+    write_jsonl(tmp_path / "train.jsonl", GSM)
+    # a folder without a test split: None, and run_setup.load_prompts holds rows of train out
+    assert tasks.load_task("gsm8k", "test", data=str(tmp_path), tokenizer=TOK) is None
     (tmp_path / "test.jsonl").write_text(json.dumps(GSM[0]) + "\n{not json\n")
-    with pytest.raises(ValueError, match=r"test.jsonl:2: not a JSON line"):
+    with pytest.raises(tasks.DataError, match=r"test.jsonl:2: not a JSON line"):
         tasks.load_task("gsm8k", "test", data=str(tmp_path), tokenizer=TOK)
     (tmp_path / "test.jsonl").write_text(json.dumps(GSM[0]) + "\n\n"
                                          + json.dumps({"question": "q", "answer": "5"}))
     # the line, blank lines counted
-    with pytest.raises(ValueError, match=r"test.jsonl:3: a GSM8K record needs"):
+    with pytest.raises(tasks.DataError, match=r"test.jsonl:3: a GSM8K record needs"):
         tasks.load_task("gsm8k", "test", data=str(tmp_path), tokenizer=TOK)
-    with pytest.raises(ValueError, match="must contain 'train' or 'test'"):
+    with pytest.raises(tasks.DataError, match=r"--data .*other.jsonl: no such file or folder"):
         tasks.load_task("gsm8k", "test", data=str(tmp_path / "other.jsonl"), tokenizer=TOK)
     write_jsonl(tmp_path / "gsm_train_v2.jsonl", GSM)
-    with pytest.raises(ValueError, match=r"no test split \(looked for .*gsm_test_v2.jsonl\)"):
-        tasks.load_task("gsm8k", "test", data=str(tmp_path / "gsm_train_v2.jsonl"), tokenizer=TOK)
+    assert tasks.load_task("gsm8k", "test", data=str(tmp_path / "gsm_train_v2.jsonl"), tokenizer=TOK) is None
     with pytest.raises(ValueError, match="tokenizer"):
         tasks.load_task("gsm8k", "train", data=str(tmp_path), tokenizer=None)
+
+
+def test_any_file_name_is_data_and_the_other_split_is_found_by_its_word(tmp_path):
+    """A file whose name has neither "train" nor "test" is the train split alone (issue 23: it was refused);
+    one with either word finds the other split by swapping the word, a word alone ("contest" is no test)."""
+    rows = lambda tag: [{"prompt": f"{tag} {i}", "answer": str(i)} for i in range(3)]
+    load = lambda path, split: tasks.load_task("custom", split, data=str(path), tokenizer=TOK)
+    write_jsonl(tmp_path / "my.jsonl", rows("mine"))
+    assert [s["answer"] for s in load(tmp_path / "my.jsonl", "train")] == ["0", "1", "2"]
+    assert load(tmp_path / "my.jsonl", "test") is None
+    write_jsonl(tmp_path / "contest.jsonl", rows("contest"))
+    assert len(load(tmp_path / "contest.jsonl", "train")) == 3
+    assert load(tmp_path / "contest.jsonl", "test") is None
+    write_jsonl(tmp_path / "q_train_v2.jsonl", rows("train"))
+    write_jsonl(tmp_path / "q_test_v2.jsonl", rows("test")[:1])
+    for given in ("q_train_v2.jsonl", "q_test_v2.jsonl"):   # either file names both splits
+        assert load(tmp_path / given, "train")[0]["prompt"].endswith("train 0<|im_end|>\n<|im_start|>assistant\n")
+        assert len(load(tmp_path / given, "test")) == 1
+    write_jsonl(tmp_path / "only_test.jsonl", rows("test"))
+    with pytest.raises(tasks.DataError, match=r"--data .*only_test.jsonl: no train split \(looked for "
+                                              r".*only_train.jsonl\)"):
+        load(tmp_path / "only_test.jsonl", "train")
+    (tmp_path / "my.csv").write_text("prompt,answer\nx,1\n")
+    with pytest.raises(tasks.DataError, match=r"--data .*my.csv: not a JSONL or Parquet file"):
+        load(tmp_path / "my.csv", "train")
+    # a file name that is not there is a typo, never a hub dataset to look up
+    with pytest.raises(tasks.DataError, match=r"--data data/mine.jsonl: no such file or folder"):
+        load("data/mine.jsonl", "train")
+
+
+def test_chat_template_none_keeps_the_prompts_as_they_are(tmp_path):
+    write_jsonl(tmp_path / "my.jsonl", [{"prompt": "12+34=", "answer": "46"}])
+    (s,) = tasks.load_task("custom", "train", data=str(tmp_path / "my.jsonl"), tokenizer=TOK, chat_template="none")
+    assert s["prompt"] == "12+34="   # a completion-style prompt, exactly as written
+    write_jsonl(tmp_path / "train.jsonl", GSM[:1])
+    (g,) = tasks.load_task("gsm8k", "train", data=str(tmp_path), tokenizer=TOK, chat_template="none")
+    # a built-in task: the plain-text form
+    assert g["prompt"] == tasks.SYSTEM_PROMPT + "\n\n" + GSM[0]["question"] + "\n\n"
 
 
 def test_gsm8k_from_parquet(tmp_path):
@@ -198,15 +236,67 @@ def test_custom_task_scored_by_the_code_reward(tmp_path):
 
 def test_custom_task_errors_name_the_file_and_the_column(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", [MINE[0], {"question": "q", "answer": "a"}])
-    with pytest.raises(ValueError, match=r"train.jsonl:2: no 'prompt' column \(prompt_key\); this record has "
+    with pytest.raises(ValueError, match=r"train.jsonl:2: no 'prompt' column \(--prompt-key\); this record has "
                                          r"'question', 'answer'"):
         tasks.load_task("custom", "train", data=str(tmp_path), tokenizer=TOK)
-    with pytest.raises(ValueError, match=r"train.jsonl:1: no 'label' column \(answer_key\)"):
+    with pytest.raises(ValueError, match=r"train.jsonl:1: no 'label' column \(--answer-key\)"):
         tasks.load_task("custom", "train", data=str(tmp_path), tokenizer=TOK, answer_key="label")
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": [{"role": "user", "content": "hi"}], "answer": "a"}])
     with pytest.raises(ValueError, match=r"train.jsonl:1: the 'prompt' column must be text, not list"):
         tasks.load_task("custom", "train", data=str(tmp_path), tokenizer=TOK)
     with pytest.raises(ValueError, match="--task custom reads --data"):
         tasks.load_task("custom", "train", tokenizer=TOK)
-    with pytest.raises(ValueError, match="unknown task 'nope'.*custom"):
+    with pytest.raises(tasks.DataError, match="--task nope: unknown.*custom"):
         tasks.load_task("nope", "train", tokenizer=TOK)
+
+
+# ------------------------------------------------------------- run_setup.load_prompts: held out, one-line errors
+
+def load_prompts(path, **kw):
+    from run_setup import load_prompts
+    flags = {"task": "custom", "data": str(path), "seed": 0, "max_prompt_len": 512, "eval_size": 10,
+             "prompt_key": "prompt", "answer_key": "answer", "chat_template": "auto", **kw}
+    return load_prompts(TOK, **flags)
+
+
+def test_data_without_a_test_split_holds_out_eval_size_rows_never_trained_on(tmp_path, capsys):
+    write_jsonl(tmp_path / "my.jsonl", [{"prompt": f"question {i}", "answer": str(i)} for i in range(50)])
+    train, held_out, too_long = load_prompts(tmp_path / "my.jsonl")
+    assert (len(train), len(held_out), too_long) == (40, 10, 0)
+    answers = lambda samples: {s["answer"] for s in samples}
+    assert not answers(train) & answers(held_out) and answers(train) | answers(held_out) == answers(
+        [{"answer": str(i)} for i in range(50)])
+    # the same rows whatever --seed (runs compare), and not simply the first or last ones
+    assert answers(load_prompts(tmp_path / "my.jsonl", seed=7)[1]) == answers(held_out)
+    assert answers(held_out) not in ({str(i) for i in range(10)}, {str(i) for i in range(40, 50)})
+    out = capsys.readouterr().out
+    assert "40 prompts to train on" in out and "no test split: 10 of its rows" in out and "never trained on" in out
+    with pytest.raises(SystemExit) as stop:   # nothing left to train on: one line, no traceback
+        load_prompts(tmp_path / "my.jsonl", eval_size=50)
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.count("\n") == 1 and "--eval-size 50" in err and "no test split" in err
+
+
+def test_data_mistakes_stop_the_run_with_one_line(tmp_path, capsys):
+    write_jsonl(tmp_path / "my.jsonl", [{"prompt": "q", "answer": "a"}, {"question": "q", "answer": "a"}])
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "q", "answer": "a"}\n{"prompt": "q", \n')
+    for path, expected in [(tmp_path / "nope.jsonl", "--data .*nope.jsonl: no such file or folder"),
+                           (tmp_path / "my.jsonl", r".*my.jsonl:2: no 'prompt' column \(--prompt-key\)"),
+                           (tmp_path / "bad.jsonl", r".*bad.jsonl:2: not a JSON line")]:
+        with pytest.raises(SystemExit) as stop:
+            load_prompts(path)
+        err = capsys.readouterr().err
+        assert stop.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err
+        assert re.match("grpo_train.py: " + expected, err), err
+
+
+def test_prompts_too_long_through_the_chat_template_say_why(tmp_path, capsys):
+    """Issue 23: a 6-token prompt became longer than --max-prompt-len 16 with the chat template, and the run
+    stopped without saying why; --chat-template none trains on the prompts as they are."""
+    write_jsonl(tmp_path / "my.jsonl", [{"prompt": "12+34=", "answer": "46"}] * 12)
+    with pytest.raises(SystemExit):
+        load_prompts(tmp_path / "my.jsonl", max_prompt_len=16, eval_size=2)
+    err = capsys.readouterr().err
+    assert "all 10 are longer than --max-prompt-len 16 tokens" in err and "--chat-template none" in err
+    train, held_out, _ = load_prompts(tmp_path / "my.jsonl", max_prompt_len=16, eval_size=2, chat_template="none")
+    assert [s["prompt"] for s in train] == ["12+34="] * 10 and len(held_out) == 2

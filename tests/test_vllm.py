@@ -1,12 +1,14 @@
 """vLLM's CPU build, in process: sampling log-probs agree with the trainer's, and a weight push really lands
 (both silent traps of vLLM 0.32's reload: the tied lm_head on CPU and the prefix cache)."""
+import logging
 import os
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from generation import check_probe, load_weights_into_vllm, repack_cpu_lm_head, vllm_probe_logps
+from generation import (RELOAD_LOGGER, check_probe, load_weights_into_vllm, quiet_vllm_console,
+                        repack_cpu_lm_head, vllm_probe_logps)
 from grpo_train import completion_logps, pad_batch
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -109,3 +111,29 @@ def test_probe_check_catches_a_mismatch_and_a_reload_that_did_nothing(setup):
     # the real reload passes
     load_weights_into_vllm(llm, iter({n: p.detach().clone() for n, p in model.named_parameters()}.items()))
     assert check_probe(vllm_probe_logps(llm, probe), want1, got0, want0, tol=0.1, version=1) < 1e-3
+
+
+def test_a_push_no_longer_warns_that_it_failed(setup, tiny_model, monkeypatch):
+    """Issue 23: vLLM 0.32 warns "RotaryEmbedding: Failed to load weights" and "ParallelLMHead: ..." at every
+    reload, though the push landed (the log-probs match): quiet_vllm_console drops these two, and only them."""
+    llm, model = setup
+    reload_logger, heard = logging.getLogger(RELOAD_LOGGER), []
+    collect = logging.Handler(logging.WARNING)
+    collect.emit = lambda record: heard.append(record.getMessage())
+    saved = {name: logging.getLogger(name).filters[:] for name in (RELOAD_LOGGER, "vllm.engine.arg_utils")}
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")   # restored afterwards: quiet_vllm_console sets it
+    reload_logger.addHandler(collect)
+    try:
+        load_weights_into_vllm(llm, iter(perturbed(model, seed=5).items()))
+        false_alarms = [f"{layer}: Failed to load weights" for layer in ("ParallelLMHead", "RotaryEmbedding")]
+        assert sorted(heard) == false_alarms
+        heard.clear()
+        assert quiet_vllm_console(tiny_model) == {"use_tqdm_on_load": False}
+        load_weights_into_vllm(llm, iter(perturbed(model, seed=6).items()))
+        assert heard == [] and max_logp_diff(model, PROMPT, sample(llm, PROMPT)) < 1e-3   # quiet, and it landed
+        reload_logger.warning("%s: Failed to load weights", "QKVParallelLinear")   # a real failure still shows
+        assert heard == ["QKVParallelLinear: Failed to load weights"]
+    finally:
+        reload_logger.removeHandler(collect)
+        for name, filters in saved.items():
+            logging.getLogger(name).filters[:] = filters
