@@ -213,8 +213,9 @@ def ours_train_clock(steps):
     return {r["step"]: r["time/elapsed_s"] - start for r in steps}
 
 
-def run_ours(a, model, out):
-    """demo/run_demo.py with our prebuilt model: reference server + deepspeed launcher + grpo_train.py + vLLM."""
+def run_ours(a, model, out, root=ROOT):
+    """demo/run_demo.py with our prebuilt model: reference server + deepspeed launcher + grpo_train.py + vLLM.
+    root: the copy of this repository to run (--baseline: an earlier commit's)."""
     import shutil
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
@@ -228,7 +229,7 @@ def run_ours(a, model, out):
     t0 = time.time()
     tail = Tail(os.path.join(out, "metrics.jsonl"), t0)
     tail.start()
-    rc = run_stamped(cmd, t0, os.path.join(out, "stdout.log"), cwd=ROOT)
+    rc = run_stamped(cmd, t0, os.path.join(out, "stdout.log"), cwd=root)
     wall = time.time() - t0
     tail.stop.set()
     tail.join()
@@ -314,6 +315,7 @@ def plot(results, target, path):
     import matplotlib.pyplot as plt
     fig, (top, bot) = plt.subplots(2, 1, figsize=(8, 6.5), dpi=120, sharex=True)
     colors = {"ours": "tab:red", "TRL vLLM": "tab:blue", "TRL transformers": "tab:green"}
+    colors.update({name: "tab:gray" for name in results if name.startswith("ours@")})
     for name, runs in results.items():
         for i, res in enumerate(runs):
             label = f"{name}: {res['backend']}" if i == 0 else None
@@ -434,6 +436,9 @@ def main(argv=None):
                    help="'demo': the warm-started demo model, time to --target; or HIDDENxLAYERS (e.g. 512x6): a "
                         "random model of that shape, completions per second (no evaluations; the module docstring)")
     p.add_argument("--warm-steps", type=int, default=3, help="--size HxL: steady state starts after this step")
+    p.add_argument("--baseline", default=None,
+                   help="also run ours as of this git commit (e.g. d08f4ac), exported beside the results, in the "
+                        "same rotation: before and after in one run")
     a = p.parse_args(argv)
     out = os.path.abspath(a.out_dir)
     os.makedirs(out, exist_ok=True)
@@ -462,13 +467,19 @@ def main(argv=None):
                                                        [b for b in ("vllm", "transformers")
                                                         if a.trl_backend in ("both", b)])
     names = {"ours": "ours", "vllm": "TRL vLLM", "transformers": "TRL transformers"}
+    if a.baseline:
+        base_root = export_commit(a.baseline, os.path.join(out, f"baseline-{a.baseline}"))
+        systems.insert(1, "baseline")
+        names["baseline"] = f"ours@{a.baseline}"
     results = {names[k]: [] for k in systems}
     for rep in range(a.repeats):
         order = systems[rep % len(systems):] + systems[:rep % len(systems)]   # each goes first in turn
         for key in order:
             name = names[key]
             sub = os.path.join(out, f"{name.lower().replace(' ', '-')}{'' if a.repeats == 1 else f'-{rep + 1}'}")
-            results[name].append(run_ours(a, model, sub) if key == "ours" else run_trl(a, model, sub, key))
+            results[name].append(run_ours(a, model, sub) if key == "ours" else
+                                 run_ours(a, model, sub, base_root) if key == "baseline" else
+                                 run_trl(a, model, sub, key))
             res = results[name][-1]
             print(f"[{name}] done in {res['wall_s']:.1f} s" +
                   (f" (TRL {res['trl']}, {res['threads']} torch threads)" if key != "ours" else ""), flush=True)
@@ -488,7 +499,7 @@ def main(argv=None):
         print(table(results, a))
         med = {name: (median(time_to(r, a.target)[0] for r in runs), median(time_to(r, a.target)[1] for r in runs))
                for name, runs in results.items()}
-        trl = [n for n in med if n != "ours" and med[n][0]]   # (0: the starting model already reached it)
+        trl = [n for n in med if n.startswith("TRL") and med[n][0]]   # (0: the starting model already reached it)
         if "ours" in med and med["ours"][0] is not None and trl:
             fastest = min(trl, key=lambda n: med[n][0])
             summary.update(fastest_trl=fastest, ratio_train=med["ours"][0] / med[fastest][0],
@@ -498,6 +509,11 @@ def main(argv=None):
                   f"{summary['ratio_wall']:.2f} in wall time since launch")
         elif len(results) > 1:
             print(f"\nnot every system reached {a.target:.0%} in {a.steps} steps: compare accuracy at step {a.steps}")
+        if a.baseline and "ours" in results:
+            now, before = (median(s_per_step(r) for r in results[n]) for n in ("ours", names["baseline"]))
+            summary.update(s_per_step=now, baseline_s_per_step=before, s_per_step_ratio=now / before)
+            print(f"steady-state training s/step (medians, steps 10-{a.steps}): ours {now:.3f}, "
+                  f"{names['baseline']} {before:.3f}: {now / before:.2f}x ({1 - now / before:.0%} lower)")
     else:
         text, best = throughput_table(results, a)
         print(text)
@@ -510,6 +526,15 @@ def main(argv=None):
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"results: {os.path.join(out, 'results.json')}")
+
+
+def export_commit(commit, path):
+    """This repository as of `commit`, exported to path (once): the before of a before/after run."""
+    if not os.path.exists(path):
+        os.makedirs(path)
+        archive = subprocess.run(["git", "-C", ROOT, "archive", commit], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", path], input=archive, check=True)
+    return path
 
 
 def n_params(model):
