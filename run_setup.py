@@ -1,6 +1,6 @@
 """What a GRPO run needs that is not the algorithm: the system flags, process start-up, configuration
-checks, the model and DeepSpeed engine, the prompts, the reference check, and how the ranks share a
-batch. grpo_train.py uses it; read that first."""
+checks, the model and DeepSpeed engine, the prompts, and how the ranks share a batch. grpo_train.py uses
+it; read that first."""
 import datetime
 import json
 import math
@@ -14,8 +14,16 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rewards import parse_reward_spec
-from ref_server import default_dtype, model_fingerprint, reload_reference, wait_for_server
+from ref_server import default_dtype, server_urls
 from tasks import drop_long_prompts, load_task
+
+
+def device_list(text):
+    """--gen-devices "0,1" -> [0, 1] (argparse names the flag when this raises)."""
+    devices = [int(d) for d in text.split(",")]
+    if len(set(devices)) != len(devices) or min(devices) < 0:
+        raise ValueError(text)
+    return devices
 
 
 def add_system_args(p):
@@ -27,10 +35,14 @@ def add_system_args(p):
     g.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing: less memory, more compute")
     g.add_argument("--ds-config", default="ds_config.json", help="DeepSpeed config (ZeRO-2)")
     g = p.add_argument_group("processes")
-    g.add_argument("--gen-device", type=int, default=0, help="GPU index for vLLM, as the machine counts them")
+    g.add_argument("--gen-device", type=int, default=0,
+                   help="GPU index for vLLM, as the machine counts them; the training GPU: one-GPU mode")
+    g.add_argument("--gen-devices", type=device_list, default=None,
+                   help="several vLLM engines, one per GPU: 0,1,... (replaces --gen-device)")
     g.add_argument("--gen-mem", type=float, default=0.9, help="vLLM gpu_memory_utilization")
     g.add_argument("--gen-kv-gb", type=int, default=1, help="vLLM KV cache size in GiB on CPU")
-    g.add_argument("--ref-url", default="http://127.0.0.1:59875", help="reference server (ref_server.py)")
+    g.add_argument("--ref-url", default="http://127.0.0.1:59875",
+                   help="reference server (ref_server.py); several: comma-separated, the batch split across them")
     g.add_argument("--ref-wait", type=float, default=300, help="seconds to wait for the reference server")
     g.add_argument("--sync-every", type=int, default=1, help="push weights to vLLM every N steps")
     g.add_argument("--sync-tol", type=float, default=0.1,
@@ -67,7 +79,7 @@ def init_distributed(timeout_minutes, threads):
 
 def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_batch, steps, num_iterations,
                  max_gen_rounds, max_skips, temperature, tis_cap, overlong_buffer, max_new_tokens,
-                 ref_sync_every, beta, max_staleness, keep_checkpoints, **_):
+                 ref_sync_every, beta, max_staleness, keep_checkpoints, gen_devices, ref_url, **_):
     """Exits with one message naming every flag that is wrong, before anything is loaded or started."""
     # a hub id is "org/name"; anything else with a slash (or starting with . / ~) is meant as a local folder
     local = model.startswith((".", "/", "~")) or model.count("/") > 1
@@ -88,6 +100,9 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         (tis_cap is not None and tis_cap <= 0, "--tis-cap must be > 0"),
         (not 0 <= overlong_buffer < max_new_tokens, "--overlong-buffer must be in [0, --max-new-tokens)"),
         (ref_sync_every and beta == 0, "--ref-sync-every needs a reference model (--beta > 0)"),
+        (gen_devices and prompts_per_step < len(gen_devices),
+         "--prompts-per-step must be >= the number of --gen-devices: each engine samples a share"),
+        (not server_urls(ref_url), "--ref-url must name at least one server"),
         (local and not os.path.isdir(os.path.expanduser(model)), f"--model {model}: no such folder"),
         (bad_rewards, bad_rewards),
     ] if bad]
@@ -124,7 +139,7 @@ def build_engine(model, ds_config_path, lr, micro_batch):
     return engine
 
 
-def load_prompts(task, tok, *, data, seed, max_prompt_len, eval_size, prompt_key, answer_key):
+def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key, answer_key, **_):
     """-> (train samples, held-out samples, number of prompts skipped for being over max_prompt_len).
     Each sample has its prompt's token ids ("prompt_ids", from drop_long_prompts), which vLLM is given."""
     load = lambda split: load_task(task, split, data=data, seed=seed, tokenizer=tok, prompt_key=prompt_key,
@@ -134,17 +149,6 @@ def load_prompts(task, tok, *, data, seed, max_prompt_len, eval_size, prompt_key
     if not train_set:
         raise SystemExit(f"grpo_train.py: every prompt of --task {task} is longer than --max-prompt-len")
     return train_set, eval_set, too_long
-
-
-def check_reference(url, wait_s, model, refreshed, model_name):
-    """All ranks: wait for the reference server; it must serve the model we start from, or, on a run resumed
-    after a reference refresh, it is told to load that checkpoint again."""
-    served = wait_for_server(url, timeout=wait_s)["fingerprint"]
-    if refreshed and dist.get_rank() == 0:
-        reload_reference(url, refreshed)
-    elif not refreshed and served != model_fingerprint(model):
-        raise RuntimeError(f"{url} serves another model than --model {model_name}")
-    dist.barrier()
 
 
 def broadcast_json(obj, device, src=0):

@@ -51,7 +51,7 @@ def test_short_run_finishes_logs_checkpoints_and_learns(tmp_path, demo_model):
     assert sum(reward[-10:]) / 10 > sum(reward[:10]) / 10 + 0.05, reward   # the reward goes up
     assert "held-out accuracy:" in stdout.splitlines()[-1]
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_15", "step_20"]
-    assert "generation process: CUDA_VISIBLE_DEVICES=3" in stdout
+    assert "generation engine 0: CUDA_VISIBLE_DEVICES=3" in stdout
     ckpt = tmp_path / f"step_{steps}"
     assert (ckpt / "config.json").exists() and (ckpt / "model.safetensors").exists()
     assert (ckpt / "tokenizer.json").exists()

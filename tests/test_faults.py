@@ -86,7 +86,7 @@ def _receive_one_tensor_then_die(port):
     import torch
     import torch.distributed as dist
     from generation import weight_group
-    group = weight_group(dist.TCPStore("127.0.0.1", port, is_master=False), 1, "gloo")[0]
+    group = weight_group(dist.TCPStore("127.0.0.1", port, is_master=False), 1, 2, "gloo")[0]
     group.broadcast(torch.empty(4), 0).wait()
     os._exit(3)
 
@@ -102,7 +102,7 @@ def test_weight_push_notices_a_generation_process_that_dies_mid_push():
                           timeout=datetime.timedelta(seconds=60))
     child = mp.get_context("spawn").Process(target=_receive_one_tensor_then_die, args=(store.port,), daemon=True)
     child.start()
-    group = weight_group(store, 0, "gloo")[0]
+    group = weight_group(store, 0, 2, "gloo")[0]
     checks = []
 
     def check_alive():
@@ -128,11 +128,12 @@ def test_weights_go_over_nccl_between_two_gpus_and_gloo_otherwise(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,4")
     monkeypatch.setenv("LOCAL_RANK", "1")   # this rank trains on GPU 3
-    assert (weight_backend(0), weight_backend(3)) == ("nccl", "gloo")
+    assert (weight_backend([0]), weight_backend([3]), weight_backend([0, 1])) == ("nccl", "gloo", "nccl")
+    assert weight_backend([1, 3]) == "gloo"   # one engine on rank 0's GPU: the whole group goes by gloo
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")   # every GPU visible: local rank 1 is GPU 1
-    assert (weight_backend(0), weight_backend(1)) == ("nccl", "gloo")
+    assert (weight_backend([0]), weight_backend([1])) == ("nccl", "gloo")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert weight_backend(0) == "gloo"
+    assert weight_backend([0]) == "gloo"
 
 
 def rows_of(out_dir):
@@ -314,11 +315,11 @@ def test_long_prompts_are_skipped_and_a_task_with_none_left_is_refused():
     tok = build_tokenizer()
     kw = dict(data=None, seed=0, eval_size=200, prompt_key="prompt", answer_key="answer")
     # the demo's prompts ("37+5=") are 5 tokens: a limit of 5 keeps all 360, a limit of 4 skips every one
-    train, held_out, too_long = load_prompts("demo", tok, max_prompt_len=5, **kw)
+    train, held_out, too_long = load_prompts(tok, task="demo", max_prompt_len=5, **kw)
     assert (len(train), len(held_out), too_long) == (360, 90, 0)
     assert train[0]["prompt_ids"] == tok(train[0]["prompt"], add_special_tokens=False)["input_ids"]
     with pytest.raises(SystemExit, match="every prompt of --task demo is longer than --max-prompt-len"):
-        load_prompts("demo", tok, max_prompt_len=4, **kw)
+        load_prompts(tok, task="demo", max_prompt_len=4, **kw)
 
 
 def test_buckets_are_consecutive_one_dtype_and_bounded():
@@ -336,10 +337,10 @@ def _receive_and_report(port, params, bucket_bytes, conn):
     import torch
     import torch.distributed as dist
     from generation import receive_weights, weight_group
-    group = weight_group(dist.TCPStore("127.0.0.1", port, is_master=False), 1, "gloo")[0]
+    group = weight_group(dist.TCPStore("127.0.0.1", port, is_master=False), 1, 2, "gloo")[0]
     conn.send([(name, t.dtype == getattr(torch, dtype), t.tolist())
                for (name, t), (_, _, dtype) in zip(receive_weights(group, params, torch.device("cpu"),
-                                                                   bucket_bytes), params)])
+                                                                   lambda: None, bucket_bytes), params)])
 
 
 @pytest.mark.parametrize("bucket_bytes", [16, 2**20])
@@ -361,7 +362,7 @@ def test_weights_cross_in_buckets_unchanged(bucket_bytes):
     parent, child_end = ctx.Pipe()
     child = ctx.Process(target=_receive_and_report, args=(store.port, params, bucket_bytes, child_end), daemon=True)
     child.start()
-    group = weight_group(store, 0, "gloo")[0]
+    group = weight_group(store, 0, 2, "gloo")[0]
     send_weights(group, list(tensors.values()), torch.device("cpu"), lambda: None, bucket_bytes=bucket_bytes)
     got = parent.recv()
     child.join(timeout=30)
