@@ -48,6 +48,7 @@ import os
 import queue
 import time
 from contextlib import contextmanager
+from functools import partial
 
 import psutil
 import torch
@@ -201,35 +202,45 @@ def held_out_eval(llm, samples, max_new_tokens, spec):
             "eval/format": sum(format_reward(t, s) for t, s in zip(texts, samples)), "n": len(samples)}
 
 
+def exit_if_orphaned(parent, who):
+    """An engine whose trainer (its parent) died without stopping it (SIGKILL, OOM, a lost node) exits at once:
+    nothing in it is worth saving, and a collective still pending would keep a normal exit waiting."""
+    if os.getppid() != parent:
+        print(f"{who}: the trainer (pid {parent}) is gone; exiting", flush=True)
+        os._exit(1)
+
+
+def shares_of_blocks(n_train, seed, pos, per_step, share):
+    """An engine's prompts, a list of training-set indices per draw: the shuffled stream (resumed at
+    position `pos`) cut in blocks of per_step, of which this engine takes the positions in `share` of each
+    block it draws. Engines drawing different numbers of blocks (dynamic sampling) never take one prompt
+    position twice; one engine with the whole share reads the stream as it is."""
+    order = shuffled_forever(n_train, seed, skip=pos)
+    while True:
+        block = [next(order) for _ in range(per_step)]
+        yield [block[i] for i in share]
+
+
 def _serve(rollout, engine_kw, job, train_set, eval_share, control, results):
     """One engine's main loop; `job` holds its index and settings (GenerationProcess builds it). On any error
     it dies with a traceback on stderr; rank 0 notices. (VLLM_ENABLE_V1_MULTIPROCESSING=0 in its
     environment: the engine in this process, 3 s to start, not 20.)"""
     from vllm import LLM
-    index, engines, parent = job["index"], job["engines"], os.getppid()
-
-    def check_parent():
-        # the trainer died without stopping us (SIGKILL, OOM, a node lost): nothing here is worth saving,
-        # and a pending collective would keep a normal exit waiting
-        if os.getppid() != parent:
-            print(f"generation engine {index}: the trainer (pid {parent}) is gone; exiting", flush=True)
-            os._exit(1)
-
+    index, engines = job["index"], job["engines"]
+    check_parent = partial(exit_if_orphaned, os.getppid(), f"generation engine {index}")
     print(f"generation engine {index}: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
     # a seed of its own per engine; a resumed run reseeds (+ pos): vLLM's RNG cannot be saved from outside
-    pos, per_step, share = job["pos"], job["per_step"], job["share"]
+    pos, per_step = job["pos"], job["per_step"]
     llm = LLM(seed=job["seed"] + pos + 1_000_003 * index, **engine_kw)
     store = dist.TCPStore("127.0.0.1", job["store_port"], is_master=False, timeout=GROUP_TIMEOUT)
     store.set(f"engine_ready/{index}", "1")
     group, device = weight_group(store, index + 1, engines + 1, job["backend"])
-    order = shuffled_forever(len(train_set), job["seed"], skip=pos)   # resume: after the trained prompts
+    draws = shares_of_blocks(len(train_set), job["seed"], pos, per_step, job["share"])
 
     def next_prompts():
-        # the next block of the shuffled stream; this engine samples its share of it
         nonlocal pos
-        block = [next(order) for _ in range(per_step)]
         pos += per_step
-        return [train_set[block[i]] for i in share]
+        return [train_set[i] for i in next(draws)]
 
     version, last, probe_diff, idle_s, ref_step = -1, (None, None), None, 0.0, job["ref_step"]
     while True:
@@ -269,9 +280,9 @@ def _serve(rollout, engine_kw, job, train_set, eval_share, control, results):
             ref_step = msg["step"]
         elif msg["kind"] == "batch":
             t0 = time.time()
-            batch = rollout(llm, next_prompts, len(share))
+            batch = rollout(llm, next_prompts, len(job["share"]))
             metrics = batch["metrics"]
-            metrics.update({"data/prompts_seen": pos * len(share) // per_step, "sync/logp_diff": probe_diff,
+            metrics.update({"data/prompts_seen": pos * len(job["share"]) // per_step, "sync/logp_diff": probe_diff,
                             "time/gen_s": time.time() - t0 - metrics["time/ref_s"], "time/gen_idle_s": idle_s})
             if job["ref_url"]:
                 metrics["ref/step"] = ref_step
@@ -295,6 +306,8 @@ SLOWEST = ("gen/rounds", "time/gen_s", "time/ref_s", "sync/logp_diff", "ref/step
 def merge_batches(parts):
     """The engines' batches -> one: sequences and fill in engine order, the metrics of the whole, with
     gen/engines and time/gen_min_s (the fastest engine's time/gen_s; time/gen_s is the slowest's)."""
+    if len({p["version"] for p in parts}) > 1:   # each had the same pushes before the same request
+        raise RuntimeError(f"the engines sampled with different weight versions {[p['version'] for p in parts]}")
     metrics = [p["metrics"] for p in parts]
     weights = [m["gen/samples"] for m in metrics]
     merged = {}
