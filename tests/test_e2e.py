@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = ["step", "reward/mean", "reward/demo", "reward/overlong", "reward/errors", "kl", "loss", "clip/low",
             "clip/high", "completion_len/mean", "completion_len/truncated", "frac_zero_std", "gen/rounds",
             "batch/groups", "data/prompts_seen", "data/too_long", "grad_norm", "skipped_steps", "stale_dropped",
-            "policy_lag", "sync/logp_diff", "time/gen_s", "time/gen_idle_s", "time/wait_s", "time/ref_s",
+            "policy_lag", "sync/logp_diff", "time/gen_s", "time/gen_min_s", "time/gen_idle_s", "time/wait_s",
+            "time/ref_s", "gen/engines", "gen/samples", "ref/step",
             "time/train_s", "time/sync_s", "time/elapsed_s", "ratio/mean", "ratio/max",
             "sampling/logp_diff_mean", "sampling/logp_diff_max"]
 
@@ -197,18 +198,32 @@ def test_variants_ppo_epochs_tis_overlong_truncation_dynamic_sampling(tmp_path, 
     assert max(r["gen/rounds"] for r in rows) > 1 and all(r["data/prompts_seen"] % 16 == 0 for r in rows)
 
 
-def test_reference_refresh_makes_the_reference_the_policy(tmp_path, demo_model):
-    """--ref-sync-every 2: after the checkpoints of steps 2 and 4 the server reloads them, so the KL of steps 3
-    and 5 (whose log-probs come from those very weights) is zero, while the other steps' is not."""
-    _, rows = run_demo(tmp_path, "--model", demo_model, "--steps", "5", "--eval-every", "0", "--",
-                       "--ref-sync-every", "2", "--lr", "1e-3")
+def test_two_engines_two_reference_servers_and_reference_refresh(tmp_path, demo_model):
+    """One launch for issue 20's pieces: two vLLM engines (--gen-devices 0,1; 0 is the training rank's own
+    device, the one-GPU mode's code path) in one weight group, two reference servers with the batch split
+    across them, and --ref-sync-every 5 on-policy (--max-staleness 0): both engines load every push (each
+    checks the probe and raises if it fails), the demo still learns to >= 80% held-out, nothing is dropped,
+    and the reference rule holds: step s is scored by the checkpoint of the last multiple of 5 <= s - 1, so
+    the KL right after each reload (both servers' log-probs from the very weights being trained) is zero."""
+    steps = 20
+    stdout, rows = run_demo(tmp_path, "--model", demo_model, "--steps", str(steps), "--eval-every", "0",
+                            "--ref-servers", "2", "--", "--gen-devices", "0,1", "--ref-sync-every", "5",
+                            "--max-staleness", "0")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for engine in (0, 1):
+        assert f"generation engine {engine}: CUDA_VISIBLE_DEVICES={engine}" in stdout
+    for r in rows:
+        assert r["gen/engines"] == 2 and r["gen/samples"] == 16 * 8 and r["sync/logp_diff"] < 1e-3
+        assert r["stale_dropped"] == 0 and r["policy_lag"] == 0 and r["data/prompts_seen"] == 16 * r["step"]
+        assert r["time/gen_min_s"] <= r["time/gen_s"] and r["time/ref_s"] > 0
+        assert r["ref/step"] == 5 * ((r["step"] - 1) // 5), r
     kl = {r["step"]: r["kl"] for r in rows}
-    assert kl[3] < 1e-7 and kl[5] < 1e-7, kl
-    assert kl[2] > 1e-5 and kl[4] > 1e-5, kl
-    # --keep-checkpoints 2 kept the newest two, step 4 (the reference) and 5; step 2 went once step 4 replaced
-    # it as the reference
-    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_4", "step_5"]
-    assert (tmp_path / "step_4" / "model.safetensors").exists()
+    assert all(kl[s] < 1e-7 for s in (6, 11, 16)), kl
+    assert all(kl[s] > 1e-5 for s in (5, 10, 15)), kl
+    evals = [(r["eval/step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    assert evals[0][0] == 0 and evals[-1][0] == steps and evals[-1][1] >= 0.8, evals
+    # --keep-checkpoints 2: the newest two; the reference's (step 15) is one of them
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_15", "step_20"]
 
 
 # ----------------------------------------------------------------------------- the real tasks, on the tiny model
