@@ -248,8 +248,8 @@ def split_to_fit(prompts, completions, limits) -> list[range]:
 
 
 def even_shares(n, parts) -> list[range]:
-    """range(n) cut into `parts` consecutive ranges whose sizes differ by at most one, the first ones the
-    larger: how a batch's sequences are split across reference servers (and prompts across engines)."""
+    """range(n) cut into `parts` consecutive ranges whose sizes differ by at most one, the first
+    ones the larger: a batch's sequences split across servers (and prompts across engines)."""
     size, extra = divmod(n, parts)
     bounds = [i * size + min(i, extra) for i in range(parts + 1)]
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
@@ -261,8 +261,8 @@ def server_urls(urls) -> list[str]:
 
 
 def _on_each(fn, items):
-    """fn(item) for every item, each in a thread of its own (the servers work at once) -> results, in order;
-    the first error raises once all are done."""
+    """fn(item) for every item, each in a thread of its own (the servers work at once) -> the
+    results, in order; the first error raises once all are done."""
     if len(items) <= 1:
         return [fn(item) for item in items]
     with ThreadPoolExecutor(len(items)) as pool:
@@ -273,11 +273,12 @@ def ref_logps(urls, prompts, completions, temperature, *, timeout=60, retry_for=
               token=os.environ.get("REF_SERVER_TOKEN")):
     """Reference log-probs of each completion token -> list of float32 (len(completion),) tensors.
 
-    urls: one server, or several comma-separated: the sequences are cut into one consecutive share per
-    server (even_shares), requested in parallel and put back in order. Raises RefServerError, also when a
-    log-prob is not finite."""
+    urls: one server, or several comma-separated: the sequences are cut into one consecutive share
+    per server (even_shares), requested in parallel and put back in order. Raises RefServerError,
+    also when a log-prob is not finite."""
     servers = server_urls(urls)
-    shares = [(url, part) for url, part in zip(servers, even_shares(len(prompts), len(servers))) if part]
+    parts = even_shares(len(prompts), len(servers))
+    shares = [(url, part) for url, part in zip(servers, parts) if part]
     one = lambda share: _server_logps(share[0], prompts[share[1].start:share[1].stop],
                                       completions[share[1].start:share[1].stop], temperature, token,
                                       dict(timeout=timeout, retry_for=retry_for, backoff=backoff))
@@ -285,9 +286,9 @@ def ref_logps(urls, prompts, completions, temperature, *, timeout=60, retry_for=
 
 
 def _server_logps(url, prompts, completions, temperature, token, retry):
-    """One server's share: sent in as many requests as its limits need (read from /health once per URL, and
-    again after a 413 from a server restarted with smaller ones). Retries as _call says, for up to
-    `retry_for` seconds per request."""
+    """One server's share: sent in as many requests as its limits need (read from /health once per
+    URL, and again after a 413 from a server restarted with smaller ones). Retries as _call says,
+    for up to `retry_for` seconds per request."""
     headers = {"Content-Type": "application/octet-stream", **_auth(token)}
     for attempt in range(2):
         if url not in _limits:
@@ -311,9 +312,9 @@ def _server_logps(url, prompts, completions, temperature, token, retry):
 
 def reload_reference(urls, path, *, timeout=600, retry_for=30.0,
                      token=os.environ.get("REF_SERVER_TOKEN")) -> list[dict]:
-    """Ask every server in `urls` (comma-separated), at once, to load the HF checkpoint in folder `path` (on
-    each server's file system, under its --checkpoint-dir) as the new reference -> their new /health. Only
-    a path crosses the wire, never weights."""
+    """Ask every server in `urls` (comma-separated), at once, to load the HF checkpoint in folder
+    `path` (on each server's file system, under its --checkpoint-dir) as the new reference -> their
+    new /health. Only a path crosses the wire, never weights."""
     headers = {"Content-Type": "application/json", **_auth(token)}
     reload = lambda url: _call("POST", url + "/reload", json.dumps({"path": path}), headers,
                                timeout=timeout, retry_for=retry_for, backoff=1.0).json()
