@@ -179,11 +179,13 @@ def test_variants_ppo_epochs_tis_overlong_truncation_dynamic_sampling(tmp_path, 
     batch is on-policy (step 1), and differ by the update in between when it was sampled a version earlier
     (policy_lag 1: the mismatch TIS corrects). --max-new-tokens 5 cuts the three-digit answers (--mask-truncated
     leaves them out of the loss); --overlong-buffer 3 gives every completion (2 - n) / 3. --max-gen-rounds 4:
-    rounds of 16 prompts until 16 groups have unequal rewards, with Dr. GRPO scaling and a std floor."""
+    rounds of 16 prompts until 16 groups have unequal rewards, with Dr. GRPO scaling and a std floor, on two
+    engines (--gen-devices 0,1): each takes 8 prompts of every block of 16 it draws and fills its 8 groups."""
     _, rows = run_demo(tmp_path, "--model", demo_model, "--steps", "6", "--eval-every", "0", "--",
                        "--num-iterations", "2", "--eps-low", "0.01", "--eps-high", "0.01", "--tis-cap", "2",
                        "--overlong-buffer", "3", "--max-new-tokens", "5", "--mask-truncated", "--lr", "1e-3",
-                       "--max-gen-rounds", "4", "--scale-rewards", "none", "--std-floor", "0.3")
+                       "--max-gen-rounds", "4", "--scale-rewards", "none", "--std-floor", "0.3",
+                       "--gen-devices", "0,1")
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert sum(r["clip/low"] + r["clip/high"] for r in rows) > 0   # the second epoch clipped something
     # policy_lag counts optimizer steps: a batch sampled one push before is 2 of them behind
@@ -195,7 +197,8 @@ def test_variants_ppo_epochs_tis_overlong_truncation_dynamic_sampling(tmp_path, 
         assert r["reward/overlong"] == pytest.approx((2 - r["completion_len/mean"]) / 3, abs=1e-9)
     assert max(r["completion_len/truncated"] for r in rows) > 0   # some completions were cut (and masked)
     assert all(r["batch/groups"] == 16 for r in rows), [(r["batch/groups"], r["gen/rounds"]) for r in rows]
-    assert max(r["gen/rounds"] for r in rows) > 1 and all(r["data/prompts_seen"] % 16 == 0 for r in rows)
+    assert max(r["gen/rounds"] for r in rows) > 1 and all(r["data/prompts_seen"] % 8 == 0 for r in rows)
+    assert all(r["gen/engines"] == 2 and r["stale_dropped"] == 0 for r in rows)
 
 
 def test_two_engines_two_reference_servers_and_reference_refresh(tmp_path, demo_model):
