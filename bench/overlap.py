@@ -28,6 +28,7 @@ def run_demo(a):
            "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--ref-servers", str(a.ref_servers)]
     if a.gen_devices:
         cmd += ["--", "--gen-devices", a.gen_devices]
+    os.makedirs(out, exist_ok=True)   # with --model nothing else made runs/bench
     if os.path.exists(os.path.join(out, "metrics.jsonl")):
         os.remove(os.path.join(out, "metrics.jsonl"))   # a fresh run, not a continuation
     with open(os.path.join(ROOT, "runs", "bench", "overlap.log"), "w") as log:
