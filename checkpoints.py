@@ -12,7 +12,6 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from lora import vllm_weights
-from ref_server import reload_reference
 
 
 def fresh_state():
@@ -50,14 +49,15 @@ def load_checkpoint(engine, out_dir, step):
         raise RuntimeError(f"{os.path.join(out_dir, f'step_{step}')}: DeepSpeed could not load this checkpoint")
 
 
-def save_checkpoint(engine, tokenizer, out_dir, state, *, keep, reload_url=None):
+def save_checkpoint(engine, tokenizer, out_dir, state, *, keep, new_reference=False):
     """All ranks: checkpoint step_<state["step"]>, atomic against a kill: everything is written to step_N.tmp,
     renamed when complete, and only then does the file `latest` (replaced by a rename) name it. Not against
-    a power cut: nothing is fsync'ed. reload_url: the reference server there then serves this checkpoint
-    (--ref-sync-every), and the state records it. keep: how many step_N folders stay (0: all)."""
+    a power cut: nothing is fsync'ed. new_reference: the reference servers are to load this checkpoint
+    (--ref-sync-every; the generation process has them do it), and the state records it, so a resumed run
+    has them load it again and it is never pruned. keep: how many step_N folders stay (0: all)."""
     tag, master = f"step_{state['step']}", dist.get_rank() == 0
     tmp, final = os.path.join(out_dir, tag + ".tmp"), os.path.abspath(os.path.join(out_dir, tag))
-    if reload_url:
+    if new_reference:
         state["ref"] = final
     if master and os.path.exists(tmp):   # left by a run killed while saving
         shutil.rmtree(tmp)
@@ -67,7 +67,7 @@ def save_checkpoint(engine, tokenizer, out_dir, state, *, keep, reload_url=None)
         lora = bool(getattr(engine.module, "peft_config", None))
         # a peft folder beside config.json would make transformers load its adapters onto the base model it names
         engine.module.save_pretrained(os.path.join(tmp, "adapter") if lora else tmp)
-        if lora and reload_url:
+        if lora and new_reference:
             save_merged(engine.module, tmp)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "grpo_state.json"), "w") as f:
@@ -80,8 +80,6 @@ def save_checkpoint(engine, tokenizer, out_dir, state, *, keep, reload_url=None)
         with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
             f.write(tag)
         os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
-        if reload_url:
-            reload_reference(reload_url, final)
         if keep:
             prune_checkpoints(out_dir, state["step"], keep, state["ref"])
     dist.barrier()

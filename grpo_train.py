@@ -24,7 +24,7 @@ from generation import GenerationProcess
 from metrics import (Counters, MetricsLog, add_stats, loss_metrics, policy_stats, reduce_stats,
                      rollout_metrics, timed)
 from ref_server import ref_logps
-from run_setup import (add_system_args, broadcast_json, build_engine, check_config, check_reference,
+from run_setup import (add_system_args, broadcast_json, build_engine, check_config,
                        init_distributed, load_policy, load_prompts, micro_batches, shut_down)
 
 def get_args(argv=None):
@@ -164,18 +164,18 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, e
                  "tokens": n_tokens, "ratio_sum": (ratio * mask).sum(), "ratio_max": ratio.max()}
     return loss, count, stats
 
-def rollout(llm, next_prompts, args):
-    """One batch, in the generation process: sample -> score -> advantages -> filter."""
+def rollout(llm, next_prompts, n_prompts, args):
+    """An engine's share of a batch: sample -> score -> advantages -> filter -> reference."""
     from vllm import SamplingParams
     sampling = SamplingParams(n=args.group_size, temperature=args.temperature,
                               max_tokens=args.max_new_tokens, logprobs=0)
-    spec, size = rewards.parse_reward_spec(args.rewards), args.prompts_per_step * args.group_size
+    spec, size = rewards.parse_reward_spec(args.rewards), n_prompts * args.group_size
     kept, dropped, scored, rounds = [], [], [], 0
     # more rounds only with dynamic sampling, until groups with signal fill the batch
     while len(kept) < size and rounds < args.max_gen_rounds:
         rounds += 1
         # sample: the next prompts of a shuffled pass over the data, G completions each
-        picked = next_prompts(args.prompts_per_step)
+        picked = next_prompts()
         outs = llm.generate([{"prompt_token_ids": s["prompt_ids"]} for s in picked], sampling,
                             use_tqdm=False)
         # score: every completion with every reward, plus the overlong penalty
@@ -195,7 +195,15 @@ def rollout(llm, next_prompts, args):
                 (kept if has_signal else dropped).append(seq)
     fill = [(len(s["completion"]), s["truncated"]) for s in dropped[:max(0, size - len(kept))]]
     metrics = rollout_metrics(scored, rounds, len(kept), len(dropped), args.group_size)
-    return {"seqs": kept[:size], "fill": fill, "metrics": metrics}
+    # reference: asked for here, so it overlaps the trainer's step. --ref-sync-every K: the batch of
+    # step s is scored by the checkpoint of the last multiple of K <= s-1-max_staleness (ref/step)
+    seqs = kept[:size]
+    with timed(metrics, "time/ref_s"):
+        got = ref_logps(args.ref_url, [s["prompt"] for s in seqs], [s["completion"] for s in seqs],
+                        args.temperature, retry_for=args.ref_wait) if args.beta > 0 else []
+    for s, ref in zip(seqs, got):
+        s["ref"] = ref.tolist()
+    return {"seqs": seqs, "fill": fill, "metrics": metrics}
 
 def train_step(engine, chunks, total, pad_id, args):
     """--num-iterations optimizer steps on this rank's micro-batches -> (stats, grad norms)."""
@@ -234,14 +242,9 @@ def main(args):
     train_set, eval_set, too_long = load_prompts(tok, **vars(args))
     # vLLM starts (15 s on CPU) while DeepSpeed sets up, and waits for the first weights
     if master_process:
-        gen = GenerationProcess(
-            partial(rollout, args=args), train_set, eval_set, model=args.model, dtype=model.dtype,
-            device=args.gen_device, mem=args.gen_mem, kv_gb=args.gen_kv_gb, threads=args.threads,
-            data_pos=state["data_pos"], max_len=(args.max_prompt_len, args.max_new_tokens),
-            rewards=args.rewards, sync_tol=args.sync_tol, ahead=args.max_staleness, seed=args.seed)
+        gen = GenerationProcess(partial(rollout, args=args), train_set, eval_set, state, model,
+                                **vars(args))
         log = MetricsLog(args.out_dir, state["step"], args.tensorboard, args.eval_only)
-    if args.beta > 0 and not args.eval_only:
-        check_reference(args.ref_url, args.ref_wait, model, state["ref"], args.model)
     engine = build_engine(model, args.ds_config, args.lr, args.micro_batch)
     load_checkpoint(engine, args.out_dir, state["step"])
     counters = Counters(state["counts"], args.max_skips)
@@ -258,15 +261,6 @@ def main(args):
             batch = master_process and gen.next_batch(engine.global_steps, more=step < last)
             batch = broadcast_json(batch, engine.device)
         mine = batch["seqs"][rank::world]
-
-        # --- reference log-probs over HTTP (none needed when beta == 0)
-        with timed(times, "time/ref_s"):
-            if args.beta > 0 and mine:
-                got = ref_logps(args.ref_url, [s["prompt"] for s in mine],
-                                [s["completion"] for s in mine], args.temperature,
-                                retry_for=args.ref_wait)
-                for s, ref in zip(mine, got):
-                    s["ref"] = ref.tolist()
 
         # --- loss and step
         with timed(times, "time/train_s"):
@@ -290,12 +284,14 @@ def main(args):
                        "grad_norm": grad_norms[-1], **counters.saved, "data/too_long": too_long,
                        **times, **evals})
 
-        # --- checkpoint; with --ref-sync-every the reference server reloads it
+        # --- checkpoint; with --ref-sync-every the reference servers reload it (rule: rollout)
         refresh = args.ref_sync_every and step % args.ref_sync_every == 0
         if step == last or refresh or (args.save_every and step % args.save_every == 0):
-            state.update(step=step, data_pos=batch["metrics"]["data/prompts_seen"])
+            state.update(step=step, data_pos=batch["pos"])
             save_checkpoint(engine, tok, args.out_dir, state, keep=args.keep_checkpoints,
-                            reload_url=args.ref_url if refresh else None)
+                            new_reference=refresh)
+        if refresh and master_process:
+            gen.reload_reference(state["ref"], step)
 
     shut_down(gen if master_process else None)
 

@@ -1,6 +1,8 @@
 """LoRA's one fragile integration: a policy with peft's adapters, seen as the base model it adapts (what vLLM,
 the reference server and the merged checkpoint take). run_setup.load_policy adds the adapters; generation.py,
 run_setup.py and checkpoints.py use this."""
+from types import SimpleNamespace
+
 import torch
 
 
@@ -21,3 +23,12 @@ def vllm_weights(model, named=None):
                                                                                    layer.active_adapters))
                   for name, layer in model.named_modules() if isinstance(layer, LoraLayer)}
     return [(name.replace(".base_layer.", "."), merged.get(name, w)) for name, w in named if ".lora_" not in name]
+
+
+def base_model_view(model):
+    """A LoRA policy as ref_server.model_fingerprint reads a model (config, state_dict): its weights merged, under
+    the base model's names (vllm_weights). The policy itself when it has no adapters."""
+    if not getattr(model, "peft_config", None):
+        return model
+    state = dict(vllm_weights(model, model.state_dict().items()))
+    return SimpleNamespace(config=model.config, state_dict=lambda: state)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 
 def rollout_metrics(scored, rounds, n_kept, n_dropped, group_size):
-    """A batch's reward/*, completion_len/*, frac_zero_std, gen/rounds and batch/groups.
+    """A batch's reward/*, completion_len/*, frac_zero_std, gen/rounds, gen/samples and batch/groups.
     scored: (total reward, {reward name: value}, reward errors, vLLM completion) of every sample."""
     totals, parts, errors, completions = zip(*scored)
     metrics = {f"reward/{name}": mean([p[name] for p in parts]) for name in parts[0]}
@@ -20,7 +20,7 @@ def rollout_metrics(scored, rounds, n_kept, n_dropped, group_size):
         "reward/mean": mean(totals), "reward/errors": sum(errors),
         "completion_len/mean": mean([len(c.token_ids) for c in completions]),
         "completion_len/truncated": mean([c.finish_reason == "length" for c in completions]),
-        "frac_zero_std": n_dropped / (n_kept + n_dropped), "gen/rounds": rounds,
+        "frac_zero_std": n_dropped / (n_kept + n_dropped), "gen/rounds": rounds, "gen/samples": len(scored),
         "batch/groups": min(n_kept, len(completions) // rounds) // group_size})
     return metrics
 

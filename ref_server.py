@@ -48,6 +48,7 @@ import stat
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -269,15 +270,48 @@ def split_to_fit(prompts, completions, limits) -> list[range]:
     return ranges + [range(start, len(prompts))]
 
 
-def ref_logps(url, prompts, completions, temperature, *, timeout=60, retry_for=30.0, backoff=1.0,
+def even_shares(n, parts) -> list[range]:
+    """range(n) cut into `parts` consecutive ranges whose sizes differ by at most one, the first
+    ones the larger: a batch's sequences split across servers (and prompts across engines)."""
+    size, extra = divmod(n, parts)
+    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def server_urls(urls) -> list[str]:
+    """--ref-url "http://a:1,http://b:2" -> the servers' URLs, in order."""
+    return [u.strip().rstrip("/") for u in urls.split(",") if u.strip()]
+
+
+def _on_each(fn, items):
+    """fn(item) for every item, each in a thread of its own (the servers work at once) -> the
+    results, in order; the first error raises once all are done."""
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+def ref_logps(urls, prompts, completions, temperature, *, timeout=60, retry_for=30.0, backoff=1.0,
               token=os.environ.get("REF_SERVER_TOKEN")):
     """Reference log-probs of each completion token -> list of float32 (len(completion),) tensors.
 
-    The batch is sent in as many requests as the server's limits need (read from /health once per
+    urls: one server, or several comma-separated: the sequences are cut into one consecutive share
+    per server (even_shares), requested in parallel and put back in order. Raises RefServerError,
+    also when a log-prob is not finite."""
+    servers = server_urls(urls)
+    parts = even_shares(len(prompts), len(servers))
+    shares = [(url, part) for url, part in zip(servers, parts) if part]
+    one = lambda share: _server_logps(share[0], prompts[share[1].start:share[1].stop],
+                                      completions[share[1].start:share[1].stop], temperature, token,
+                                      dict(timeout=timeout, retry_for=retry_for, backoff=backoff))
+    return [t for part in _on_each(one, shares) for t in part]
+
+
+def _server_logps(url, prompts, completions, temperature, token, retry):
+    """One server's share: sent in as many requests as its limits need (read from /health once per
     URL, and again after a 413 from a server restarted with smaller ones). Retries as _call says,
-    for up to `retry_for` seconds per request. Raises RefServerError, also when a log-prob is not
-    finite."""
-    url, retry = url.rstrip("/"), dict(timeout=timeout, retry_for=retry_for, backoff=backoff)
+    for up to `retry_for` seconds per request."""
     headers = {"Content-Type": "application/octet-stream", **_auth(token)}
     for attempt in range(2):
         if url not in _limits:
@@ -300,15 +334,15 @@ def ref_logps(url, prompts, completions, temperature, *, timeout=60, retry_for=3
     return out
 
 
-def reload_reference(url, path, *, timeout=600, retry_for=30.0,
-                     token=os.environ.get("REF_SERVER_TOKEN")) -> dict:
-    """Ask the server to load the HF checkpoint in folder `path` (on the server's file system, under
-    its --checkpoint-dir) as the new reference -> its new /health. Only a path crosses the wire,
-    never weights."""
-    r = _call("POST", url.rstrip("/") + "/reload", json.dumps({"path": path}),
-              {"Content-Type": "application/json", **_auth(token)}, timeout=timeout,
-              retry_for=retry_for, backoff=1.0)
-    return r.json()
+def reload_reference(urls, path, *, timeout=600, retry_for=30.0,
+                     token=os.environ.get("REF_SERVER_TOKEN")) -> list[dict]:
+    """Ask every server in `urls` (comma-separated), at once, to load the HF checkpoint in folder
+    `path` (on each server's file system, under its --checkpoint-dir) as the new reference -> their
+    new /health. Only a path crosses the wire, never weights."""
+    headers = {"Content-Type": "application/json", **_auth(token)}
+    reload = lambda url: _call("POST", url + "/reload", json.dumps({"path": path}), headers,
+                               timeout=timeout, retry_for=retry_for, backoff=1.0).json()
+    return _on_each(reload, server_urls(urls))
 
 
 def wait_for_server(url, timeout=120.0, interval=0.5) -> dict:

@@ -1,7 +1,7 @@
 """What a GRPO run needs that is not the algorithm: the system flags, process start-up, configuration
-checks, the model and DeepSpeed engine, the prompts, the reference check, and how the ranks share a
-batch. grpo_train.py uses it; read that first. A user's mistake (a flag, the data) stops the run with one
-line (stop_with); a traceback means a bug."""
+checks, the model and DeepSpeed engine, the prompts, and how the ranks share a batch. grpo_train.py uses
+it; read that first. A user's mistake (a flag, the data) stops the run with one line (stop_with); a
+traceback means a bug."""
 import datetime
 import json
 import math
@@ -10,7 +10,6 @@ import random
 import signal
 import sys
 import time
-from types import SimpleNamespace
 
 import deepspeed
 import torch
@@ -19,9 +18,8 @@ import transformers
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lora import vllm_weights
 from rewards import parse_reward_spec
-from ref_server import default_dtype, model_fingerprint, reload_reference, wait_for_server
+from ref_server import default_dtype, server_urls
 from tasks import DataError, drop_long_prompts, load_task
 
 # a split held out of the train data (no test split) is the same rows whatever --seed, so runs compare
@@ -47,6 +45,14 @@ def stop_with(message):
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
+def device_list(text):
+    """--gen-devices "0,1" -> [0, 1] (argparse names the flag when this raises)."""
+    devices = [int(d) for d in text.split(",")]
+    if len(set(devices)) != len(devices) or min(devices) < 0:
+        raise ValueError(text)
+    return devices
+
+
 def add_system_args(p):
     """The flags that steer the machinery rather than the algorithm (grpo_train.py has those); and a bad
     flag's error in one line (argparse prints its whole usage first: 50 lines here)."""
@@ -65,10 +71,14 @@ def add_system_args(p):
     g.add_argument("--lora-targets", default=LORA_TARGETS,
                    help="the linear layers that get adapters, by name (or all-linear)")
     g = p.add_argument_group("processes")
-    g.add_argument("--gen-device", type=int, default=0, help="GPU index for vLLM, as the machine counts them")
+    g.add_argument("--gen-device", type=int, default=0,
+                   help="GPU index for vLLM, as the machine counts them; the training GPU: one-GPU mode")
+    g.add_argument("--gen-devices", type=device_list, default=None,
+                   help="several vLLM engines, one per GPU: 0,1,... (replaces --gen-device)")
     g.add_argument("--gen-mem", type=float, default=0.9, help="vLLM gpu_memory_utilization")
     g.add_argument("--gen-kv-gb", type=int, default=1, help="vLLM KV cache size in GiB on CPU")
-    g.add_argument("--ref-url", default="http://127.0.0.1:59875", help="reference server (ref_server.py)")
+    g.add_argument("--ref-url", default="http://127.0.0.1:59875",
+                   help="reference server (ref_server.py); several: comma-separated, the batch split across them")
     g.add_argument("--ref-wait", type=float, default=300, help="seconds to wait for the reference server")
     g.add_argument("--sync-every", type=int, default=1, help="push weights to vLLM every N steps")
     g.add_argument("--sync-tol", type=float, default=0.1,
@@ -107,7 +117,7 @@ def init_distributed(timeout_minutes, threads):
 def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_batch, steps, num_iterations,
                  max_gen_rounds, max_skips, temperature, tis_cap, overlong_buffer, max_new_tokens,
                  ref_sync_every, beta, max_staleness, keep_checkpoints, eval_size, ds_config, gen_device,
-                 ref_url, lora_rank, lora_alpha, **_):
+                 gen_devices, ref_url, lora_rank, lora_alpha, **_):
     """Exits with one message naming every flag that is wrong, before anything is loaded or started;
     if none is, rank 0 prints the run in one line: the model, where training and vLLM run, the reference."""
     # a hub id is "org/name"; anything else with a slash (or starting with . / ~) is meant as a local folder
@@ -131,6 +141,9 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
          "--lora-rank must be >= 0 and --lora-alpha > 0"),
         (not 0 <= overlong_buffer < max_new_tokens, "--overlong-buffer must be in [0, --max-new-tokens)"),
         (ref_sync_every and beta == 0, "--ref-sync-every needs a reference model (--beta > 0)"),
+        (gen_devices and prompts_per_step < len(gen_devices),
+         "--prompts-per-step must be >= the number of --gen-devices: each engine samples a share"),
+        (not server_urls(ref_url), "--ref-url must name at least one server"),
         (local and not os.path.isdir(os.path.expanduser(model)), f"--model {model}: no such folder"),
         (not os.path.isfile(ds_config), f"--ds-config {ds_config}: no such file"),
         (bad_rewards, bad_rewards),
@@ -139,9 +152,13 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         stop_with("; ".join(problems))
     if first_rank():
         on = "GPU" if torch.cuda.is_available() else "CPU"
-        reference = f"reference server {ref_url} (--beta {beta})" if beta > 0 else "no reference (--beta 0)"
+        engines, servers = gen_devices or [gen_device], server_urls(ref_url)
+        where = f"GPU {','.join(map(str, engines))}" if on == "GPU" else on
+        reference = (f"reference server{'s' * (len(servers) > 1)} {', '.join(servers)} (--beta {beta})"
+                     if beta > 0 else "no reference (--beta 0)")
         print(f"grpo_train.py: model {model}; {world} training rank{'s' * (world > 1)} on {on} (DeepSpeed, "
-              f"{ds_config}); vLLM on {on}{f' {gen_device}' * (on == 'GPU')}; {reference}", flush=True)
+              f"{ds_config}); {len(engines)} vLLM engine{'s' * (len(engines) > 1)} on {where}; {reference}",
+              flush=True)
 
 
 def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, seed=0, **_):
@@ -229,26 +246,6 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
         print(f"grpo_train.py: {source}: {len(train_set)} prompts to train on ({too_long} longer than "
               f"--max-prompt-len skipped), {len(eval_set)} held out for evaluation{note}", flush=True)
     return train_set, eval_set, too_long
-
-
-def check_reference(url, wait_s, model, refreshed, model_name):
-    """All ranks: wait for the reference server; it must serve the model we start from, or, on a run resumed
-    after a reference refresh, it is told to load that checkpoint again."""
-    served = wait_for_server(url, timeout=wait_s)["fingerprint"]
-    if refreshed and dist.get_rank() == 0:
-        reload_reference(url, refreshed)
-    elif not refreshed and served != model_fingerprint(base_model_view(model)):
-        raise RuntimeError(f"{url} serves another model than --model {model_name}")
-    dist.barrier()
-
-
-def base_model_view(model):
-    """A LoRA policy as model_fingerprint reads a model (config, state_dict): its weights merged, under the base
-    model's names (generation.vllm_weights). The policy itself when it has no adapters."""
-    if not getattr(model, "peft_config", None):
-        return model
-    state = dict(vllm_weights(model, model.state_dict().items()))
-    return SimpleNamespace(config=model.config, state_dict=lambda: state)
 
 
 def broadcast_json(obj, device, src=0):

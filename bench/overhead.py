@@ -62,11 +62,13 @@ def alone(a, extra, out):
     ref = ref_server.load_model(args.model)
     engine = build_engine(model, args.ds_config, args.lr, args.micro_batch)
     order = shuffled_forever(len(train_set), args.seed)
-    next_prompts = lambda n: [train_set[next(order)] for _ in range(n)]
+    next_prompts = lambda: [train_set[next(order)] for _ in range(args.prompts_per_step)]
+    # the rollout alone: its reference request (beta > 0) is the phase timed below, in this process
+    sampling_args = argparse.Namespace(**{**vars(args), "beta": 0.0})
     times = {"sampling, rewards (rollout)": [], "reference forward": [], "training step": []}
     for step in range(1, a.steps):
         t0 = time.perf_counter()
-        batch = gt.rollout(llm, next_prompts, args)
+        batch = gt.rollout(llm, next_prompts, args.prompts_per_step, sampling_args)
         t1 = time.perf_counter()
         seqs = batch["seqs"]
         got = ref_server.compute_logps(ref, [s["prompt"] for s in seqs], [s["completion"] for s in seqs],

@@ -4,6 +4,7 @@ once) or reads a run's metrics.jsonl, and reports the fraction of wall time the 
 (`time/gen_idle_s`). Goal: trainer idle < 20% in the demo.
 
     python bench/overlap.py                              # a fresh 60-step demo run into runs/bench/overlap
+    python bench/overlap.py --gen-devices 0,1            # the same with two vLLM engines (1 vs 2 engines)
     python bench/overlap.py --metrics runs/demo/metrics.jsonl
 
 Scopes: "all steps" is the trainer's whole life (time/elapsed_s of the last step), start-up included: step 1
@@ -24,7 +25,10 @@ from _common import ROOT, demo_model, machine, print_table
 def run_demo(a):
     out = os.path.join(ROOT, "runs", "bench", "overlap")
     cmd = [sys.executable, "-m", "demo.run_demo", "--model", demo_model(a.model), "--out-dir", out,
-           "--steps", str(a.steps), "--eval-every", str(a.eval_every)]
+           "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--ref-servers", str(a.ref_servers)]
+    if a.gen_devices:
+        cmd += ["--", "--gen-devices", a.gen_devices]
+    os.makedirs(out, exist_ok=True)   # with --model nothing else made runs/bench
     if os.path.exists(os.path.join(out, "metrics.jsonl")):
         os.remove(os.path.join(out, "metrics.jsonl"))   # a fresh run, not a continuation
     with open(os.path.join(ROOT, "runs", "bench", "overlap.log"), "w") as log:
@@ -39,6 +43,8 @@ def main():
     p.add_argument("--model", help="warm-started model for the demo run (default: built once into runs/bench)")
     p.add_argument("--steps", type=int, default=60, help="demo steps (the demo's default)")
     p.add_argument("--eval-every", type=int, default=10, help="demo held-out evaluation every N steps (0: none)")
+    p.add_argument("--gen-devices", help="grpo_train.py --gen-devices for the demo run, e.g. 0,1 (two engines)")
+    p.add_argument("--ref-servers", type=int, default=1, help="reference servers of the demo run")
     a = p.parse_args()
     path = a.metrics or run_demo(a)
     rows = [json.loads(line) for line in open(path)]
@@ -57,10 +63,13 @@ def main():
                       f"{gen_idle:.2f}", f"{100 * gen_idle / wall:.1f}%"])
     steady = rows[1:]
     means = {k: fmean(r[f"time/{k}_s"] for r in steady) for k in ("gen", "wait", "ref", "train", "sync")}
-    print(f"\n{machine()}; {path}: {len(rows)} steps")
-    print("steady-state means per step (s): " + ", ".join(f"{k} {v:.3f}" for k, v in means.items())
-          + f", step {fmean(map(dur, steady)):.3f} (gen overlaps the rest; the trainer's own work is ref + train + "
-            f"sync = {means['ref'] + means['train'] + means['sync']:.3f})")
+    engines = rows[-1].get("gen/engines", 1)
+    print(f"\n{machine()}; {path}: {len(rows)} steps, {engines} generation engine(s)")
+    fastest = f", fastest engine's gen {fmean(r['time/gen_min_s'] for r in steady):.3f}" if engines > 1 else ""
+    print("steady-state means per step (s): " + ", ".join(f"{k} {v:.3f}" for k, v in means.items()) + fastest
+          + f", step {fmean(map(dur, steady)):.3f} (gen and ref overlap the rest: the trainer's own work is train + "
+            f"sync = {means['train'] + means['sync']:.3f}; rows before the reference moved into the rollout "
+            f"counted ref there too)")
     if missing:
         print(f"note: {path} has no {missing}: the generation side's blocked time is unknown (nan)")
     print_table(["scope", "steps", "wall s", "trainer waits s", "trainer idle", "gen blocked s", "gen blocked"],

@@ -38,11 +38,12 @@ def receiver(port, specs, reps, model_path, probe_ids, threads):
         from vllm import LLM
         llm = LLM(model_path, seed=0, dtype="float32", enforce_eager=True, max_model_len=256)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(minutes=10))
-    group = weight_group(store, 1, "gloo")[0]
+    group = weight_group(store, 1, 2, "gloo")[0]
     store.set("ready", "1")
 
     def received():
-        return receive_weights(group, [(name, shape, "float32") for name, shape in specs], torch.device("cpu"))
+        return receive_weights(group, [(name, shape, "float32") for name, shape in specs], torch.device("cpu"),
+                               lambda: None)
     for _ in range(reps + 1):
         if llm is None:
             for _ in received():
@@ -97,7 +98,7 @@ def measure(size, a):
         proc = mp.get_context("spawn").Process(target=receiver, args=(
             store.port, [(n, list(p.shape)) for n, p in params], a.reps, model_path, probe_ids, a.threads))
         proc.start()
-        group = weight_group(store, 0, "gloo")[0]
+        group = weight_group(store, 0, 2, "gloo")[0]
         store.wait(["ready"])
         check = lambda: None if proc.is_alive() else sys.exit("the receiver died")
         times = []

@@ -42,6 +42,8 @@ def main(argv=None):
     p.add_argument("--world-size", type=int, default=1, help="training processes (deepspeed --num_gpus)")
     p.add_argument("--model", default=None, help="use this warm-started model instead of building one")
     p.add_argument("--seed", type=int, default=0, help="seed for the model, warm start and run")
+    p.add_argument("--ref-servers", type=int, default=1,
+                   help="reference servers (each on a port of its own; the batch is split across them)")
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     t_start = time.time()
     # SIGTERM ends the demo the way Ctrl-C does, by raising, so the `finally`s below stop what it started
@@ -68,23 +70,25 @@ def main(argv=None):
     # through the deepspeed launcher, started at the same time: the trainer waits for the server (--ref-wait),
     # so their start-ups overlap. The launcher gets a process group of its own: deepspeed's runner does not
     # pass signals on, so the group gets them.
-    url, env["REF_SERVER_TOKEN"] = f"http://127.0.0.1:{free_port()}", secrets.token_hex(16)
-    server = subprocess.Popen([sys.executable, "ref_server.py", "--model", model_dir, "--port", url.rsplit(":", 1)[1],
-                               "--threads", "1", "--checkpoint-dir", out], cwd=ROOT, env=env)
+    env["REF_SERVER_TOKEN"] = secrets.token_hex(16)
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(a.ref_servers)]
+    servers = [subprocess.Popen([sys.executable, "ref_server.py", "--model", model_dir, "--port", url.rsplit(":", 1)[1],
+                                 "--threads", "1", "--checkpoint-dir", out], cwd=ROOT, env=env) for url in urls]
     try:
         deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
         # the launcher at --log_level warning: its INFO lines (its environment, each rank's command) are for
         # debugging the launcher; its warnings and errors still show
         run = subprocess.Popen([deepspeed, "--log_level", "warning", "--num_gpus", str(a.world_size),
                                 "--master_port", str(free_port()),
-                                "grpo_train.py", "--model", model_dir, "--out-dir", out, "--ref-url", url,
+                                "grpo_train.py", "--model", model_dir, "--out-dir", out, "--ref-url", ",".join(urls),
                                 "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
                                 *TRAIN_FLAGS, *extra], cwd=ROOT, env=env, start_new_session=True)
         try:
             while run.poll() is None:   # a server that dies stops the run now, not after --ref-wait
-                if server.poll() is not None:
-                    raise SystemExit(f"run_demo: ref_server.py exited with code {server.returncode} (its error is "
-                                     f"above)")
+                for server in servers:
+                    if server.poll() is not None:
+                        raise SystemExit(f"run_demo: ref_server.py exited with code {server.returncode} (its error "
+                                         f"is above)")
                 time.sleep(0.5)
             if run.returncode != 0:
                 raise SystemExit(f"run_demo: grpo_train.py failed (exit code {run.returncode})")
@@ -93,8 +97,9 @@ def main(argv=None):
                 os.killpg(run.pid, signal.SIGTERM)
                 run.wait(timeout=60)
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        for server in servers:
+            server.terminate()
+            server.wait(timeout=30)
 
     # 4. before -> after, and the plot
     with open(os.path.join(out, "metrics.jsonl")) as f:

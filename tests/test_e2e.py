@@ -14,7 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = ["step", "reward/mean", "reward/demo", "reward/overlong", "reward/errors", "kl", "loss", "clip/low",
             "clip/high", "completion_len/mean", "completion_len/truncated", "frac_zero_std", "gen/rounds",
             "batch/groups", "data/prompts_seen", "data/too_long", "grad_norm", "skipped_steps", "stale_dropped",
-            "policy_lag", "sync/logp_diff", "time/gen_s", "time/gen_idle_s", "time/wait_s", "time/ref_s",
+            "policy_lag", "sync/logp_diff", "time/gen_s", "time/gen_min_s", "time/gen_idle_s", "time/wait_s",
+            "time/ref_s", "gen/engines", "gen/samples", "ref/step",
             "time/train_s", "time/sync_s", "time/elapsed_s", "ratio/mean", "ratio/max",
             "sampling/logp_diff_mean", "sampling/logp_diff_max", "entropy"]
 
@@ -53,7 +54,7 @@ def test_short_run_finishes_logs_checkpoints_and_learns(tmp_path, demo_model):
     assert sum(reward[-10:]) / 10 > sum(reward[:10]) / 10 + 0.05, reward   # the reward goes up
     assert "held-out accuracy:" in p.stdout.splitlines()[-1]
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_15", "step_20"]
-    assert "generation process: CUDA_VISIBLE_DEVICES=3" in p.stdout
+    assert "generation engine 0: CUDA_VISIBLE_DEVICES=3" in p.stdout
     # issue 23, the console: one line per step, at column 0 (no progress bar before it); no false "Failed to
     # load weights" (vLLM said it twice a push); and few other lines: with the warm start's 7 and 60 steps,
     # the full demo stays within 150 lines
@@ -188,11 +189,13 @@ def test_variants_ppo_epochs_tis_overlong_truncation_dynamic_sampling(tmp_path, 
     batch is on-policy (step 1), and differ by the update in between when it was sampled a version earlier
     (policy_lag 1: the mismatch TIS corrects). --max-new-tokens 5 cuts the three-digit answers (--mask-truncated
     leaves them out of the loss); --overlong-buffer 3 gives every completion (2 - n) / 3. --max-gen-rounds 4:
-    rounds of 16 prompts until 16 groups have unequal rewards, with Dr. GRPO scaling and a std floor."""
+    rounds of 16 prompts until 16 groups have unequal rewards, with Dr. GRPO scaling and a std floor, on two
+    engines (--gen-devices 0,1): each takes 8 prompts of every block of 16 it draws and fills its 8 groups."""
     _, rows = run_demo(tmp_path, "--model", demo_model, "--steps", "6", "--eval-every", "0", "--",
                        "--num-iterations", "2", "--eps-low", "0.01", "--eps-high", "0.01", "--tis-cap", "2",
                        "--overlong-buffer", "3", "--max-new-tokens", "5", "--mask-truncated", "--lr", "1e-3",
-                       "--max-gen-rounds", "4", "--scale-rewards", "none", "--std-floor", "0.3")
+                       "--max-gen-rounds", "4", "--scale-rewards", "none", "--std-floor", "0.3",
+                       "--gen-devices", "0,1")
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert sum(r["clip/low"] + r["clip/high"] for r in rows) > 0   # the second epoch clipped something
     # policy_lag counts optimizer steps: a batch sampled one push before is 2 of them behind
@@ -204,21 +207,36 @@ def test_variants_ppo_epochs_tis_overlong_truncation_dynamic_sampling(tmp_path, 
         assert r["reward/overlong"] == pytest.approx((2 - r["completion_len/mean"]) / 3, abs=1e-9)
     assert max(r["completion_len/truncated"] for r in rows) > 0   # some completions were cut (and masked)
     assert all(r["batch/groups"] == 16 for r in rows), [(r["batch/groups"], r["gen/rounds"]) for r in rows]
-    assert max(r["gen/rounds"] for r in rows) > 1 and all(r["data/prompts_seen"] % 16 == 0 for r in rows)
+    assert max(r["gen/rounds"] for r in rows) > 1 and all(r["data/prompts_seen"] % 8 == 0 for r in rows)
+    assert all(r["gen/engines"] == 2 and r["stale_dropped"] == 0 for r in rows)
 
 
-def test_reference_refresh_makes_the_reference_the_policy(tmp_path, demo_model):
-    """--ref-sync-every 2: after the checkpoints of steps 2 and 4 the server reloads them, so the KL of steps 3
-    and 5 (whose log-probs come from those very weights) is zero, while the other steps' is not."""
-    _, rows = run_demo(tmp_path, "--model", demo_model, "--steps", "5", "--eval-every", "0", "--",
-                       "--ref-sync-every", "2", "--lr", "1e-3")
+def test_two_engines_two_reference_servers_and_reference_refresh(tmp_path, demo_model):
+    """One launch for issue 20's pieces: two vLLM engines (--gen-devices 0,1; 0 is the training rank's own
+    device, the one-GPU mode's code path) in one weight group, two reference servers with the batch split
+    across them, and --ref-sync-every 5 on-policy (--max-staleness 0): both engines load every push (each
+    checks the probe and raises if it fails), the demo still learns to >= 80% held-out, nothing is dropped,
+    and the reference rule holds: step s is scored by the checkpoint of the last multiple of 5 <= s - 1, so
+    the KL right after each reload (both servers' log-probs from the very weights being trained) is zero."""
+    steps = 20
+    p, rows = run_demo(tmp_path, "--model", demo_model, "--steps", str(steps), "--eval-every", "0",
+                       "--ref-servers", "2", "--", "--gen-devices", "0,1", "--ref-sync-every", "5",
+                       "--max-staleness", "0")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for engine in (0, 1):
+        assert f"generation engine {engine}: CUDA_VISIBLE_DEVICES={engine}" in p.stdout
+    for r in rows:
+        assert r["gen/engines"] == 2 and r["gen/samples"] == 16 * 8 and r["sync/logp_diff"] < 1e-3
+        assert r["stale_dropped"] == 0 and r["policy_lag"] == 0 and r["data/prompts_seen"] == 16 * r["step"]
+        assert r["time/gen_min_s"] <= r["time/gen_s"] and r["time/ref_s"] > 0
+        assert r["ref/step"] == 5 * ((r["step"] - 1) // 5), r
     kl = {r["step"]: r["kl"] for r in rows}
-    assert kl[3] < 1e-7 and kl[5] < 1e-7, kl
-    assert kl[2] > 1e-5 and kl[4] > 1e-5, kl
-    # --keep-checkpoints 2 kept the newest two, step 4 (the reference) and 5; step 2 went once step 4 replaced
-    # it as the reference
-    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_4", "step_5"]
-    assert (tmp_path / "step_4" / "model.safetensors").exists()
+    assert all(kl[s] < 1e-7 for s in (6, 11, 16)), kl
+    assert all(kl[s] > 1e-5 for s in (5, 10, 15)), kl
+    evals = [(r["eval/step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    assert evals[0][0] == 0 and evals[-1][0] == steps and evals[-1][1] >= 0.8, evals
+    # --keep-checkpoints 2: the newest two; the reference's (step 15) is one of them
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_15", "step_20"]
 
 
 # ----------------------------------------------------------------------------- the real tasks, on the tiny model
@@ -268,8 +286,8 @@ def test_lora_with_gspo_learns_pushes_merged_weights_and_resumes(tmp_path, demo_
     from transformers import AutoModelForCausalLM
     lora = ["--lora-rank", "16", "--lr", "3e-3", "--ratio-level", "sequence", "--eps-low", "3e-4",
             "--eps-high", "4e-4", "--max-staleness", "0", "--num-iterations", "2", "--ref-sync-every", "5"]
-    stdout, rows = run_demo(tmp_path, "--model", demo_model, "--steps", "10", "--eval-every", "10", "--", *lora)
-    assert "trainable parameters: 94,208 of 633,728 (14.87%)" in stdout
+    p, rows = run_demo(tmp_path, "--model", demo_model, "--steps", "10", "--eval-every", "10", "--", *lora)
+    assert "trainable parameters: 94,208 of 633,728 (14.87%)" in p.stdout
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     assert evals[-1] >= evals[0] + 0.30, evals
     assert all(r["sync/logp_diff"] < 1e-3 for r in rows)

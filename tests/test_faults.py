@@ -87,7 +87,7 @@ def _receive_one_tensor_then_die(port):
     import torch
     import torch.distributed as dist
     from generation import weight_group
-    group = weight_group(dist.TCPStore("127.0.0.1", port, is_master=False), 1, "gloo")[0]
+    group = weight_group(dist.TCPStore("127.0.0.1", port, is_master=False), 1, 2, "gloo")[0]
     group.broadcast(torch.empty(4), 0).wait()
     os._exit(3)
 
@@ -103,7 +103,7 @@ def test_weight_push_notices_a_generation_process_that_dies_mid_push():
                           timeout=datetime.timedelta(seconds=60))
     child = mp.get_context("spawn").Process(target=_receive_one_tensor_then_die, args=(store.port,), daemon=True)
     child.start()
-    group = weight_group(store, 0, "gloo")[0]
+    group = weight_group(store, 0, 2, "gloo")[0]
     checks = []
 
     def check_alive():
@@ -129,11 +129,12 @@ def test_weights_go_over_nccl_between_two_gpus_and_gloo_otherwise(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,4")
     monkeypatch.setenv("LOCAL_RANK", "1")   # this rank trains on GPU 3
-    assert (weight_backend(0), weight_backend(3)) == ("nccl", "gloo")
+    assert (weight_backend([0]), weight_backend([3]), weight_backend([0, 1])) == ("nccl", "gloo", "nccl")
+    assert weight_backend([1, 3]) == "gloo"   # one engine on rank 0's GPU: the whole group goes by gloo
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")   # every GPU visible: local rank 1 is GPU 1
-    assert (weight_backend(0), weight_backend(1)) == ("nccl", "gloo")
+    assert (weight_backend([0]), weight_backend([1])) == ("nccl", "gloo")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert weight_backend(0) == "gloo"
+    assert weight_backend([0]) == "gloo"
 
 
 def rows_of(out_dir):
@@ -344,10 +345,10 @@ def _receive_and_report(port, params, bucket_bytes, conn):
     import torch
     import torch.distributed as dist
     from generation import receive_weights, weight_group
-    group = weight_group(dist.TCPStore("127.0.0.1", port, is_master=False), 1, "gloo")[0]
+    group = weight_group(dist.TCPStore("127.0.0.1", port, is_master=False), 1, 2, "gloo")[0]
     conn.send([(name, t.dtype == getattr(torch, dtype), t.tolist())
                for (name, t), (_, _, dtype) in zip(receive_weights(group, params, torch.device("cpu"),
-                                                                   bucket_bytes), params)])
+                                                                   lambda: None, bucket_bytes), params)])
 
 
 @pytest.mark.parametrize("bucket_bytes", [16, 2**20])
@@ -369,7 +370,7 @@ def test_weights_cross_in_buckets_unchanged(bucket_bytes):
     parent, child_end = ctx.Pipe()
     child = ctx.Process(target=_receive_and_report, args=(store.port, params, bucket_bytes, child_end), daemon=True)
     child.start()
-    group = weight_group(store, 0, "gloo")[0]
+    group = weight_group(store, 0, 2, "gloo")[0]
     send_weights(group, list(tensors.values()), torch.device("cpu"), lambda: None, bucket_bytes=bucket_bytes)
     got = parent.recv()
     child.join(timeout=30)

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from wsgiref.simple_server import make_server
@@ -554,7 +553,7 @@ def test_reload_swaps_the_reference_only_from_the_checkpoint_folder(tmp_path, ti
         assert requests.get(url + "/health", timeout=10).json()["fingerprint"] == before   # nothing changed yet
         assert_serves(url, model)
         assert "Traceback" not in server_log(log)
-        health = reload_reference(url, str(new_dir), token=TOKEN)
+        (health,) = reload_reference(url, str(new_dir), token=TOKEN)
         assert health["model"] == str(new_dir.resolve())
         assert health["fingerprint"] == model_fingerprint(new) != before
         got = ref_logps(url, [[1, 2], [3]], [[4], [5, 6]], 1.0, token=TOKEN, retry_for=0)

@@ -1,0 +1,187 @@
+"""Several generation engines and several reference servers (issues 20 and 21): how prompts, sequences and
+metrics are split and joined, the flags, and the engine's side of a trainer that dies mid-push."""
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from generation import engine_positions, merge_batches, shares_of_blocks
+from ref_server import even_shares, server_urls
+from tasks import shuffled_forever
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_even_shares_cover_everything_once_in_order():
+    for n in range(0, 23):
+        for parts in range(1, 5):
+            shares = even_shares(n, parts)
+            assert len(shares) == parts and [i for r in shares for i in r] == list(range(n))
+            sizes = [len(r) for r in shares]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    assert even_shares(5, 2) == [range(0, 3), range(3, 5)]
+
+
+def test_engines_take_disjoint_prompts_however_many_blocks_each_draws():
+    """5 prompts a step over 2 engines (3 + 2): engine 0 draws 3 blocks (dynamic sampling), engine 1 one; no
+    stream position is taken twice, and what they took is the stream's. One engine reads the stream as the
+    single-engine trainer always did (a resumed run of it keeps its prompts)."""
+    n_train, seed, per_step = 17, 3, 5
+    stream = shuffled_forever(n_train, seed)
+    expected = [next(stream) for _ in range(3 * per_step)]
+    shares = even_shares(per_step, 2)
+    first = shares_of_blocks(n_train, seed, 0, per_step, list(shares[0]))
+    second = shares_of_blocks(n_train, seed, 0, per_step, list(shares[1]))
+    got0 = [next(first) for _ in range(3)]
+    got1 = [next(second)]
+    assert got0 == [expected[b * 5:b * 5 + 3] for b in range(3)] and got1 == [expected[3:5]]
+    taken = [(b, i) for b in range(3) for i in shares[0]] + [(0, i) for i in shares[1]]
+    assert len(set(taken)) == len(taken)
+    # engine 1 catches up later on the blocks engine 0 went through, not on engine 0's share of them
+    assert [next(second) for _ in range(2)] == [expected[8:10], expected[13:15]]
+    whole = shares_of_blocks(n_train, seed, 10, per_step, list(range(per_step)))
+    resumed = shuffled_forever(n_train, seed, skip=10)
+    assert next(whole) == [next(resumed) for _ in range(per_step)]
+
+
+def test_a_saved_data_position_resumes_each_engine():
+    assert engine_positions(40, 1) == [40] and engine_positions(40, 3) == [40, 40, 40]   # before engines
+    assert engine_positions([10, 20], 2) == [10, 20]
+    assert engine_positions([10, 20], 3) == [20, 20, 20]   # another number of engines: after the furthest
+
+
+def _part(seqs, version=3, **metrics):
+    base = {"reward/mean": 0.0, "reward/errors": 0, "gen/samples": 1, "gen/rounds": 1, "batch/groups": 1,
+            "data/prompts_seen": 0, "time/gen_s": 0.0, "time/ref_s": 0.0, "time/gen_idle_s": 0.0,
+            "sync/logp_diff": 0.0, "frac_zero_std": 0.0}
+    return {"version": version, "seqs": seqs, "fill": [(len(seqs), False)], "pos": len(seqs) * 10,
+            "metrics": {**base, **metrics}}
+
+
+def test_the_engines_batches_join_in_engine_order_with_the_metrics_of_the_whole():
+    a = _part(["a1", "a2"], **{"reward/mean": 1.0, "gen/samples": 24, "reward/errors": 2, "gen/rounds": 1,
+                               "time/gen_s": 3.0, "time/gen_idle_s": 0.5, "data/prompts_seen": 30,
+                               "frac_zero_std": 0.5, "sync/logp_diff": 1e-6, "time/ref_s": 0.2})
+    b = _part(["b1"], **{"reward/mean": 0.0, "gen/samples": 8, "reward/errors": 1, "gen/rounds": 2,
+                         "time/gen_s": 1.0, "time/gen_idle_s": 2.0, "data/prompts_seen": 20,
+                         "frac_zero_std": 1.0, "sync/logp_diff": 3e-6, "time/ref_s": 0.1})
+    got = merge_batches([a, b])
+    assert got["seqs"] == ["a1", "a2", "b1"] and got["fill"] == [(2, False), (1, False)]
+    assert got["pos"] == [20, 10] and got["version"] == 3
+    m = got["metrics"]
+    assert m["reward/mean"] == pytest.approx(24 / 32) and m["frac_zero_std"] == pytest.approx(0.625)
+    assert (m["reward/errors"], m["gen/samples"], m["data/prompts_seen"], m["batch/groups"]) == (3, 32, 50, 2)
+    assert (m["gen/rounds"], m["time/gen_s"], m["time/gen_min_s"], m["time/ref_s"]) == (2, 3.0, 1.0, 0.2)
+    assert m["time/gen_idle_s"] == 0.5 and m["sync/logp_diff"] == 3e-6 and m["gen/engines"] == 2
+    with pytest.raises(RuntimeError, match="versions"):
+        merge_batches([a, _part(["c"], version=2)])
+
+
+def test_engine_and_server_flags(capsys):
+    from grpo_train import get_args
+    from run_setup import check_config
+    args = get_args(["--model", "m/m", "--gen-devices", "2,0", "--ref-url", "http://a:1, http://b:2/"])
+    assert args.gen_devices == [2, 0] and server_urls(args.ref_url) == ["http://a:1", "http://b:2"]
+    check_config(1, **vars(args))
+    for bad in ("0,x", "1,1", "-1"):
+        with pytest.raises(SystemExit) as e:
+            get_args(["--model", "m/m", "--gen-devices", bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument --gen-devices: invalid device_list value: '{bad}'" in err, err
+    with pytest.raises(SystemExit, match="--prompts-per-step must be >= the number of --gen-devices"):
+        check_config(1, **vars(get_args(["--model", "m/m", "--gen-devices", "0,1,2", "--prompts-per-step", "2"])))
+
+
+def test_two_reference_servers_each_score_their_share(tmp_path, tiny_model, demo_model):
+    """Two servers with different models: the first half of the batch comes back with the first server's
+    log-probs and the second half with the second's, in order; each request went to its own server."""
+    from ref_server import compute_logps, load_model, ref_logps, wait_for_server
+    ports, procs = (29871, 29872), []
+    try:
+        for model, port in zip((tiny_model, demo_model), ports):
+            log = open(tmp_path / f"server{port}.log", "w")
+            procs.append(subprocess.Popen([sys.executable, "ref_server.py", "--model", model, "--port", str(port),
+                                           "--threads", "1"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        for port in ports:
+            wait_for_server(f"http://127.0.0.1:{port}", timeout=240)
+        prompts = [[1, 2, 3], [4, 5], [6], [7, 8], [9]]
+        completions = [[10, 11], [12], [13, 14, 15], [16], [17, 18]]
+        got = ref_logps(",".join(f"http://127.0.0.1:{p}" for p in ports), prompts, completions, 1.0,
+                        retry_for=0)
+        first = compute_logps(load_model(tiny_model), prompts[:3], completions[:3], 1.0)
+        second = compute_logps(load_model(demo_model), prompts[3:], completions[3:], 1.0)
+        assert len(got) == 5
+        for g, want in zip(got, first + second):
+            torch.testing.assert_close(g, want, atol=1e-5, rtol=0)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _engine_receiving(port, trainer_pid, marker):
+    """An engine's side of a push, as _serve runs it: receive_weights with the orphan check."""
+    import torch.distributed as dist
+    from generation import exit_if_orphaned, receive_weights, weight_group
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    group, device = weight_group(store, 1, 2, "gloo")
+    params = [("a", [4], "float32"), ("b", [1_000_000], "float32")]
+    check = lambda: exit_if_orphaned(trainer_pid, "test engine")
+    for i, _ in enumerate(receive_weights(group, params, device, check, bucket_bytes=16)):
+        if i == 0:
+            open(marker, "w").close()   # the first bucket arrived; the second never will
+    os._exit(0)
+
+
+def _trainer_that_stalls_mid_push(marker):
+    """A trainer that starts a push (one bucket of two sent) and is then killed: spawns the engine, sends the
+    first bucket, and waits to be killed."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from generation import weight_group
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    engine = mp.get_context("spawn").Process(target=_engine_receiving, args=(store.port, os.getpid(), marker))
+    engine.start()
+    print(f"engine pid {engine.pid}", flush=True)
+    group, _ = weight_group(store, 0, 2, "gloo")
+    group.broadcast(torch.ones(4), 0).wait()
+    time.sleep(3600)
+
+
+def test_a_trainer_killed_mid_push_leaves_no_engine_behind(tmp_path):
+    """SIGKILL to the trainer while an engine waits for the rest of a push: the engine is gone from the process
+    table within seconds (whether gloo saw the connection close first, or the engine's orphan check did)."""
+    marker = tmp_path / "first-bucket"
+    code = (f"import sys; sys.path.insert(0, {ROOT!r}); sys.path.insert(0, {os.path.join(ROOT, 'tests')!r}); "
+            f"from test_engines import _trainer_that_stalls_mid_push as f; f({str(marker)!r})")
+    log = open(tmp_path / "trainer.log", "w")
+    trainer = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while not marker.exists():
+            assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()
+            assert time.time() < deadline, "the engine never received the first bucket"
+            time.sleep(0.2)
+        engine = psutil.Process(int((tmp_path / "trainer.log").read_text().split("engine pid ")[1].split()[0]))
+        family = [psutil.Process(trainer.pid)] + psutil.Process(trainer.pid).children(recursive=True)
+        assert engine in family
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        deadline = time.time() + 60
+        alive = family
+        while alive and time.time() < deadline:
+            time.sleep(0.2)
+            alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, [(p.pid, " ".join(p.cmdline())[:100]) for p in alive]
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait()
