@@ -39,7 +39,7 @@ engine that its trainer (its parent) has died. Where the hangs other trainers me
    the default group's NCCL communicator to a device; their weight group then hung after one step): the
    weight group here is a standalone ProcessGroupNCCL on its own TCPStore, never a new_group or split of
    the default group, so that binding (DeepSpeed 0.19.8 does it at world size > 1) does not reach it. (Not
-   yet run on GPUs: see docs/pending/i20.md.)
+   yet run on GPUs: see docs/gpu.md.)
  - NCCL's own 10-minute default timeout, counted from a collective's enqueue (so a push queued behind a
    long generation could time out): the NCCL group gets GROUP_TIMEOUT, as the gloo one.
 """
