@@ -68,6 +68,18 @@ def random_batch(B=5, T=7, seed=0):
     return logps, old, ref, adv, mask, lens
 
 
+def assert_gradient_matches(grad, logps, lens, mask, reference, h=1e-6):
+    """grad equals the central differences of the float64 reference loss, token by token; padding gets none."""
+    for i, n in enumerate(lens):
+        for t in range(n):
+            up, down = logps.tolist(), logps.tolist()
+            up[i][t] += h
+            down[i][t] -= h
+            num = (reference(up) - reference(down)) / (2 * h)
+            assert grad[i, t].item() == pytest.approx(num, rel=1e-5, abs=1e-8)
+    assert (grad[mask == 0] == 0).all()
+
+
 @pytest.mark.parametrize("agg", AGGS)
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 def test_loss_value_and_gradient_match_float64_reference(agg, beta):
@@ -78,17 +90,8 @@ def test_loss_value_and_gradient_match_float64_reference(agg, beta):
     loss.backward()
     expected = reference_loss(logps.tolist(), old.tolist(), ref.tolist(), adv.tolist(), lens, **kw)
     assert loss.item() == pytest.approx(expected, rel=1e-10, abs=1e-12)
-    # gradient by central differences of the reference, token by token
-    h = 1e-6
-    for i, n in enumerate(lens):
-        for t in range(n):
-            up, down = logps.tolist(), logps.tolist()
-            up[i][t] += h
-            down[i][t] -= h
-            num = (reference_loss(up, old.tolist(), ref.tolist(), adv.tolist(), lens, **kw)
-                   - reference_loss(down, old.tolist(), ref.tolist(), adv.tolist(), lens, **kw)) / (2 * h)
-            assert x.grad[i, t].item() == pytest.approx(num, rel=1e-5, abs=1e-8)
-    assert (x.grad[mask == 0] == 0).all()   # padding never gets a gradient
+    assert_gradient_matches(x.grad, logps, lens, mask,
+                            lambda lp: reference_loss(lp, old.tolist(), ref.tolist(), adv.tolist(), lens, **kw))
 
 
 @pytest.mark.parametrize("agg", AGGS)
@@ -103,15 +106,7 @@ def test_gspo_sequence_ratio_matches_the_papers_formula(agg):
     loss.backward()
     ref_loss = lambda lp: gspo_reference_loss(lp, old.tolist(), ref.tolist(), adv.tolist(), lens, **kw)
     assert loss.item() == pytest.approx(ref_loss(logps.tolist()), rel=1e-10, abs=1e-12)
-    h = 1e-6
-    for i, n in enumerate(lens):
-        for t in range(n):
-            up, down = logps.tolist(), logps.tolist()
-            up[i][t] += h
-            down[i][t] -= h
-            num = (ref_loss(up) - ref_loss(down)) / (2 * h)
-            assert x.grad[i, t].item() == pytest.approx(num, rel=1e-5, abs=1e-8)
-    assert (x.grad[mask == 0] == 0).all()
+    assert_gradient_matches(x.grad, logps, lens, mask, ref_loss)
     s = [math.exp(sum(logps[i, :n] - old[i, :n]).item() / n) for i, n in enumerate(lens)]
     low = sum(n for si, a, n in zip(s, adv.tolist(), lens) if si < 0.97 and a < 0)
     high = sum(n for si, a, n in zip(s, adv.tolist(), lens) if si > 1.04 and a > 0)
