@@ -692,7 +692,7 @@ def test_reload_builds_no_second_model(tmp_path, tiny_model):
     with serve_in_thread(app) as url:
         gc.collect()
         before = models()
-        health = reload_reference(url, str(tmp_path / "step_1"), token=TOKEN, retry_for=0)
+        (health,) = reload_reference(url, str(tmp_path / "step_1"), token=TOKEN, retry_for=0)
         gc.collect()
         assert models() == before
         assert health["fingerprint"] == model_fingerprint(served) == model_fingerprint(new)
