@@ -482,7 +482,7 @@ def main(argv=None):
                                  run_trl(a, model, sub, key))
             res = results[name][-1]
             print(f"[{name}] done in {res['wall_s']:.1f} s" +
-                  (f" (TRL {res['trl']}, {res['threads']} torch threads)" if key != "ours" else ""), flush=True)
+                  (f" (TRL {res['trl']}, {res['threads']} torch threads)" if "trl" in res else ""), flush=True)
 
     summary = {"steps": a.steps, "eval_every": a.eval_every, "target": a.target, "repeats": a.repeats,
                "size": a.size, "shared": SHARED, "nproc": os.cpu_count(), "trl_threads": a.threads,
@@ -517,7 +517,7 @@ def main(argv=None):
     else:
         text, best = throughput_table(results, a)
         print(text)
-        trl = [n for n in best if n != "ours" and best[n]]
+        trl = [n for n in best if n.startswith("TRL") and best[n]]
         if best.get("ours") and trl:
             fastest = max(trl, key=lambda n: best[n])
             summary.update(fastest_trl=fastest, throughput_ratio=best["ours"] / best[fastest])
