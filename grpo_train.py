@@ -134,13 +134,13 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, e
               max_len, vllm_logps=None, tis_cap=None, ratio_level="token"):
     """Choice 3 -> (loss, count, stats): the loss averages over `count` sequences (tokens, for
     token-mean). tis_cap: each token is weighted by min(exp(old_logps - vllm_logps), tis_cap).
-    ratio_level "sequence": GSPO's ratio, choice 3's alternative (README "GRPO variants")."""
+    ratio_level "sequence": GSPO's ratio, choice 3's alternative (docs/variants.md)."""
     keep = mask > 0                                                       # (B, T)
     mask = mask.to(logps.dtype)                                           # (B, T)
     # padding holds anything: zeroed before exp, where it could overflow to inf
     log_ratio = torch.where(keep, logps - old_logps, 0.0)                 # (B, T)
     seq_log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(1)  # (B, 1)
-    ratio = torch.exp(seq_log_ratio if ratio_level == "sequence" else log_ratio)
+    ratio = torch.exp(seq_log_ratio if ratio_level == "sequence" else log_ratio)  # (B, T or 1)
     A = advantages.unsqueeze(1)                                           # (B, 1)
     surrogate = torch.min(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)  # (B, T)
     if tis_cap:
@@ -165,7 +165,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, e
     return loss, count, stats
 
 def rollout(llm, next_prompts, n_prompts, args):
-    """An engine's share of a batch: sample -> score -> advantages -> filter -> reference."""
+    """An engine's share of a batch: sample -> score -> advantages -> filter."""
     from vllm import SamplingParams
     sampling = SamplingParams(n=args.group_size, temperature=args.temperature,
                               max_tokens=args.max_new_tokens, logprobs=0)
@@ -195,15 +195,16 @@ def rollout(llm, next_prompts, n_prompts, args):
                 (kept if has_signal else dropped).append(seq)
     fill = [(len(s["completion"]), s["truncated"]) for s in dropped[:max(0, size - len(kept))]]
     metrics = rollout_metrics(scored, rounds, len(kept), len(dropped), args.group_size)
-    # reference: asked for here, so it overlaps the trainer's step. --ref-sync-every K: the batch of
-    # step s is scored by the checkpoint of the last multiple of K <= s-1-max_staleness (ref/step)
-    seqs = kept[:size]
-    with timed(metrics, "time/ref_s"):
-        got = ref_logps(args.ref_url, [s["prompt"] for s in seqs], [s["completion"] for s in seqs],
-                        args.temperature, retry_for=args.ref_wait) if args.beta > 0 else []
-    for s, ref in zip(seqs, got):
-        s["ref"] = ref.tolist()
-    return {"seqs": seqs, "fill": fill, "metrics": metrics}
+    return {"seqs": kept[:size], "fill": fill, "metrics": metrics}
+
+def reference(seqs, args):
+    """The kept sequences' reference log-probs, asked for by the engine that sampled them, on a
+    thread: the forward overlaps the next weight load and the trainer's step (rule: generation)."""
+    if args.beta == 0:
+        return None
+    got = ref_logps(args.ref_url, [s["prompt"] for s in seqs], [s["completion"] for s in seqs],
+                    args.temperature, retry_for=args.ref_wait)
+    return [ref.tolist() for ref in got]
 
 def train_step(engine, chunks, total, pad_id, args):
     """--num-iterations optimizer steps on this rank's micro-batches -> (stats, grad norms)."""
@@ -242,8 +243,8 @@ def main(args):
     train_set, eval_set, too_long = load_prompts(tok, **vars(args))
     # vLLM starts (15 s on CPU) while DeepSpeed sets up, and waits for the first weights
     if master_process:
-        gen = GenerationProcess(partial(rollout, args=args), train_set, eval_set, state, model,
-                                **vars(args))
+        gen = GenerationProcess(partial(rollout, args=args), partial(reference, args=args),
+                                train_set, eval_set, state, model, **vars(args))
         log = MetricsLog(args.out_dir, state["step"], args.tensorboard, args.eval_only)
     engine = build_engine(model, args.ds_config, args.lr, args.micro_batch)
     load_checkpoint(engine, args.out_dir, state["step"])
