@@ -292,7 +292,8 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
         return [train_set[i] for i in next(draws)]
 
     version, last, probe_diff, idle_s, ref_step = -1, (None, None), None, 0.0, job["ref_step"]
-    scoring, scored = ThreadPoolExecutor(1, thread_name_prefix="reference"), []
+    # at most one batch is being scored: the next waits for it, so batches leave in the order sampled
+    scoring, pending = ThreadPoolExecutor(1, thread_name_prefix="reference"), None
 
     def score_and_send(batch, ref_step):
         t0 = time.time()
@@ -306,8 +307,10 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
 
     def wait_scored():
         # a scoring thread's error (a reference server down past --ref-wait) ends this engine, as in the loop
-        while scored:
-            scored.pop(0).result()
+        nonlocal pending
+        if pending is not None:
+            pending, done = None, pending
+            done.result()
 
     while True:
         t0 = time.time()
@@ -315,7 +318,7 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
             msg = control.get(timeout=1)
         except queue.Empty:
             check_parent()
-            if scored and scored[0].done():
+            if pending is not None and pending.done():
                 wait_scored()
             continue
         finally:
@@ -355,8 +358,8 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
                                      "sync/logp_diff": probe_diff, "time/gen_s": time.time() - t0,
                                      "time/gen_idle_s": idle_s})
             wait_scored()
-            scored.append(scoring.submit(score_and_send, {"kind": "batch", "version": version, "pos": pos,
-                                                          **batch}, ref_step))
+            pending = scoring.submit(score_and_send, {"kind": "batch", "version": version, "pos": pos, **batch},
+                                     ref_step)
             idle_s = 0.0
 
 
