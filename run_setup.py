@@ -3,6 +3,7 @@ checks, the model and DeepSpeed engine, the prompts, and how the ranks share a b
 it; read that first. A user's mistake (a flag, the data) stops the run with one line (stop_with); a
 traceback means a bug."""
 import datetime
+import gc
 import json
 import math
 import os
@@ -282,3 +283,6 @@ def shut_down(generation_process):
         generation_process.stop()
     dist.barrier()
     dist.destroy_process_group()
+    # the interpreter's last garbage collection walks the whole heap (torch, DeepSpeed, transformers) only
+    # to free it at exit: 1.5 s of every launch's end on CPU; frozen objects are left to the exit itself
+    gc.freeze()

@@ -1,4 +1,5 @@
-"""Throughput and memory at real model sizes, for a machine with a CUDA GPU: vLLM sampling tokens/s, and
+"""Throughput and memory at real model sizes, for a machine with a CUDA GPU: vLLM sampling tokens/s (standalone,
+and with what grpo_train.py's generation process adds: `ours %` is the second as a share of the first), and
 tokens/s and MFU of the GRPO training step (grpo_train.completion_logps + grpo_train.grpo_loss, forward +
 backward + step through DeepSpeed ZeRO-2 built by run_setup.build_engine with --ds-config, world size 1), with
 each phase's peak memory.
@@ -9,12 +10,12 @@ each phase's peak memory.
     python bench/gpu_bench.py --tiny --peak-tflops 0.1         # a smoke run on CPU (tests/test_bench.py)
 
 The models are randomly initialised from hardcoded Qwen2.5 configs (no download; Qwen2.5's vocabulary of
-151,936, the demo's character tokenizer), saved to a temporary folder. Each phase (generate, train) runs in a
-subprocess of its own, one after the other (--tiny: both at once, a smoke run), so its peak memory is its own:
-torch.cuda.max_memory_allocated on GPU (vLLM's KV cache included: it takes --gen-mem of the GPU), the
-process's ru_maxrss on CPU. Generation ignores EOS (a random model), so every completion is --new-tokens long.
-MFU = the step's model FLOPs (train_flops) per second / peak FLOP/s (--peak-tflops, default 989 = H100 SXM
-dense bf16; n/a on CPU unless given). --no-gen skips the generation phase (its columns read n/a).
+151,936, the demo's character tokenizer), saved to a temporary folder. Each phase (generate, generate as ours,
+train) runs in a subprocess of its own, one after the other (--tiny: all at once, a smoke run), so its peak
+memory is its own: torch.cuda.max_memory_allocated on GPU (vLLM's KV cache included: it takes --gen-mem of
+the GPU), the process's ru_maxrss on CPU. Generation ignores EOS (a random model), so every completion is
+--new-tokens long. MFU = the step's model FLOPs (train_flops) per second / peak FLOP/s (--peak-tflops, default 989 = H100 SXM
+dense bf16; n/a on CPU unless given). --no-gen skips the generation phases (their columns read n/a).
 """
 import argparse
 import json
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 
 from _common import ROOT, machine, n_params, print_table, random_model
 
@@ -64,24 +66,29 @@ def body_params(model):
     return sum(p.numel() for p in model.parameters() if id(p) not in emb)
 
 
-def generate(a, path):
+def generate(a, path, ours=False):
+    """vLLM's sampling tokens/s: standalone (plain LLM(), no log-probs), or `ours`: the engine with what
+    grpo_train.py's generation process adds, processed log-probs (generation.GenerationProcess) and every
+    sampled token's log-prob (grpo_train.rollout's logprobs=0). Same prompts, seed, memory and lengths."""
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     import torch
     from vllm import LLM, SamplingParams
     cpu = not torch.cuda.is_available()
+    extra = dict(logprobs_mode="processed_logprobs") if ours else {}
     llm = LLM(path, seed=0, dtype="float32" if cpu else "bfloat16", enforce_eager=cpu,
               skip_tokenizer_init=True, gpu_memory_utilization=a.gen_mem,
-              max_model_len=a.prompt_len + a.new_tokens)
+              max_model_len=a.prompt_len + a.new_tokens, **extra)
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(0, VOCAB, (a.prompt_len,), generator=g).tolist()}
                for _ in range(a.prompts)]
     params = lambda n: SamplingParams(n=a.group_size, temperature=1.0, max_tokens=n, ignore_eos=True,
-                                      detokenize=False)
+                                      detokenize=False, logprobs=0 if ours else None)
     llm.generate(prompts, params(2), use_tqdm=False)   # warm-up
     t = time.perf_counter()
     outs = llm.generate(prompts, params(a.new_tokens), use_tqdm=False)
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"gen_tok_s": tokens / (time.perf_counter() - t), "gen_peak_mib": peak_mib(torch)}
+    key = "ours_tok_s" if ours else "gen_tok_s"
+    return {key: tokens / (time.perf_counter() - t), "gen_peak_mib": peak_mib(torch)}
 
 
 def train(a, path):
@@ -170,14 +177,15 @@ def main():
     p.add_argument("--no-gen", action="store_true", help="skip the generation phase (a machine without vLLM)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s for MFU (default: 989 on GPU)")
-    p.add_argument("--phase", choices=["gen", "train"], help=argparse.SUPPRESS)
+    p.add_argument("--phase", choices=["gen", "ours", "train"], help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.tiny:
         a.models = "tiny"
         vars(a).update(TINY)
     if a.phase:
-        print("RESULT " + json.dumps({"gen": generate, "train": train}[a.phase](a, a.path)))
+        run = {"gen": generate, "ours": partial(generate, ours=True), "train": train}[a.phase]
+        print("RESULT " + json.dumps(run(a, a.path)))
         return
     a.passthrough = [f"--{k.replace('_', '-')}={getattr(a, k)}"
                      for k in ("prompts", "group_size", "prompt_len", "new_tokens", "gen_mem", "batch",
@@ -189,25 +197,31 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:   # bf16 on GPU (what vLLM and the trainer use there)
             random_model(tmp, dtype="bfloat16" if torch.cuda.is_available() else "float32", vocab=VOCAB,
                          max_len=a.prompt_len + a.new_tokens, **CONFIGS[config])
-            r = {"gen_tok_s": "n/a", "gen_peak_mib": "n/a"}
+            r = {"gen_tok_s": "n/a", "ours_tok_s": "n/a", "gen_peak_mib": "n/a"}
             if a.tiny and not a.no_gen:   # a smoke run: both phases at once, so that the test stays short
-                gen, trn = start_phase(a, "gen", tmp), start_phase(a, "train", tmp)
-                r.update({**result(gen, f"generation ({config})"), **result(trn, f"training ({config})")})
+                gen, ours, trn = (start_phase(a, phase, tmp) for phase in ("gen", "ours", "train"))
+                r.update({**result(gen, f"generation ({config})"), **result(ours, f"our generation ({config})"),
+                          **result(trn, f"training ({config})")})
             else:        # one after the other: each has the GPU to itself
                 if not a.no_gen:
                     r.update(result(start_phase(a, "gen", tmp), f"generation ({config})"))
+                    r.update(result(start_phase(a, "ours", tmp), f"our generation ({config})"))
                 r.update(result(start_phase(a, "train", tmp), f"training ({config})"))
         mfu = f"{100 * r['train_tflop_s'] / peak:.3g}" if peak else "n/a"
         print(f"{config}: DeepSpeed's model and gradient-accumulation dtypes: {r['dtypes']}", flush=True)
         num = lambda v, fmt: v if isinstance(v, str) else format(v, fmt)
+        share = lambda r: ("n/a" if isinstance(r["ours_tok_s"], str)
+                           else f"{100 * r['ours_tok_s'] / r['gen_tok_s']:.1f}")
         rows.append([config, f"{r['params'] / 1e6:.1f}", f"{r['body_params'] / 1e6:.1f}",
-                     num(r["gen_tok_s"], ".1f"), f"{r['train_tok_s']:.1f}", f"{r['train_tflop_s']:.4g}", mfu,
+                     num(r["gen_tok_s"], ".1f"), num(r["ours_tok_s"], ".1f"), share(r),
+                     f"{r['train_tok_s']:.1f}", f"{r['train_tflop_s']:.4g}", mfu,
                      num(r["gen_peak_mib"], ".0f"), f"{r['train_peak_mib']:.0f}"])
     print(f"\n{machine()}; generation: {a.prompts} prompts x {a.group_size} completions, {a.prompt_len} + "
           f"{a.new_tokens} tokens; training: {a.batch} sequences of {a.prompt_len} + {a.new_tokens} tokens, "
           f"micro-batch {a.micro_batch}, grad-ckpt {a.grad_ckpt}, mean of {a.steps} steps; MFU against "
           f"{peak or 'n/a'} TFLOP/s")
-    print_table(["model", "params M", "non-emb. M", "gen tok/s", "train tok/s", "train TFLOP/s", "MFU %",
+    print_table(["model", "params M", "non-emb. M", "gen tok/s", "ours tok/s", "ours %", "train tok/s",
+                 "train TFLOP/s", "MFU %",
                  "gen peak MiB", "train peak MiB"], rows)
 
 

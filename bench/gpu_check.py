@@ -113,6 +113,21 @@ def run_grpo(a, s, model, out, gpus):
     return time.time() - t
 
 
+def phases(rows):
+    """The run's step phases (time/*, the mean over steps 2.., the first holds compilation), the weight push's
+    share of the step, and the engine's sampling tokens/s inside the run."""
+    rest = rows[1:] or rows
+    mean = lambda k: sum(r.get(k) or 0 for r in rest) / len(rest)
+    step = mean("time/wait_s") + mean("time/train_s") + mean("time/sync_s")
+    tokens = sum(r["gen/samples"] * r["completion_len/mean"] for r in rest)
+    gen_s = sum(r["time/gen_s"] for r in rest)
+    return (f"gpu_check phases (mean of steps {rest[0]['step']}..{rest[-1]['step']}): step {step:.3f} s = "
+            + " + ".join(f"{k} {mean(k):.3f}" for k in ("time/wait_s", "time/train_s", "time/sync_s"))
+            + f"; push share {100 * mean('time/sync_s') / step:.1f}%; engine: "
+            + ", ".join(f"{k} {mean(k):.3f}" for k in ("time/gen_s", "time/gen_idle_s", "time/ref_s"))
+            + f", {tokens / gen_s:.0f} sampled tok/s in the run")
+
+
 def check_run(out, model, steps, tol):
     """-> the summary line; raises SystemExit naming the first thing that is wrong."""
     from safetensors.torch import load_file
@@ -137,6 +152,7 @@ def check_run(out, model, steps, tol):
     if problems:
         raise SystemExit("gpu_check FAILED: " + "; ".join(problems))
     losses = [r["loss"] for r in rows]
+    print(phases(rows), flush=True)
     return (f"{len(rows)} steps; sync/logp_diff max {max(r['sync/logp_diff'] for r in rows):.3g} "
             f"(tol {tol}); loss {min(losses):+.4g} .. {max(losses):+.4g}; steps that trained "
             f"{sum(r['grad_norm'] > 0 for r in rows)}; largest weight change {moved:.3g}")
@@ -150,10 +166,14 @@ def main():
     p.add_argument("--sync-tol", type=float, default=0.1,
                    help="largest sync/logp_diff allowed (the trainer's default)")
     p.add_argument("--no-bench", action="store_true", help="skip bench/gpu_bench.py")
+    p.add_argument("--shape", default="qwen2.5-0.5b", choices=["qwen2.5-0.5b", "qwen2.5-1.5b"],
+                   help="the random model's shape (GPU)")
+    p.add_argument("--steps", type=int, help="GRPO steps (default: 20; --tiny: 3)")
     a = p.parse_args()
     import torch
     gpus = torch.cuda.device_count()
-    s, config = (TINY, "tiny") if a.tiny else (RECIPE, "qwen2.5-0.5b")
+    s, config = (dict(TINY), "tiny") if a.tiny else (dict(RECIPE), a.shape)
+    s["steps"] = a.steps or s["steps"]
     t0 = time.time()
     if not a.no_bench:
         bench = [sys.executable, "bench/gpu_bench.py"] + (["--tiny", "--peak-tflops", "0.1"] if a.tiny else

@@ -38,11 +38,14 @@ def test_gpu_check_tiny_mode_runs_on_cpu(tmp_path):
     steps with ref_server.py and the deepspeed launcher, whose metrics the check reads."""
     out = run("bench/gpu_check.py", "--tiny", "--out-dir", str(tmp_path))
     (row,) = table_rows(out)
-    model, params, body, gen_tok_s, train_tok_s, tflops, mfu, gen_peak, train_peak = row
+    model, params, body, gen_tok_s, ours_tok_s, ours_pct, train_tok_s, tflops, mfu, gen_peak, train_peak = row
     assert model == "tiny" and 9 < float(params) < 11   # 151,936 x 64 embedding (tied) + two small layers
     assert float(body) == 0.1   # the two layers and the final norm: 82,624 parameters
-    assert float(gen_tok_s) > 0 and float(train_tok_s) > 0 and float(tflops) > 0 and float(mfu) > 0
+    assert float(ours_pct) == pytest.approx(100 * float(ours_tok_s) / float(gen_tok_s), abs=0.1)
+    assert min(map(float, (gen_tok_s, ours_tok_s, train_tok_s, tflops, mfu))) > 0
     assert float(gen_peak) > 100 and float(train_peak) > 100   # MiB: a process with torch loaded
+    assert re.search(r"gpu_check phases \(mean of steps 2\.\.3\): step \S+ s = time/wait_s \S+ \+ "
+                     r"time/train_s \S+ \+ time/sync_s \S+; push share \S+%; engine: time/gen_s", out)
     assert re.search(r"gpu_check OK: 3 steps; sync/logp_diff max \S+ \(tol 0\.1\)", out)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(r["grad_norm"] > 0 for r in rows)   # the length-dependent reward gave some group a signal

@@ -96,7 +96,14 @@ def train_one_step(out_dir, model, world_size, micro_batch, *extra):
     return step_result(out_dir)
 
 
-def test_update_does_not_depend_on_world_size_or_micro_batches(tmp_path, demo_model):
+@pytest.fixture(scope="module")
+def two_ranks_step(tmp_path_factory, demo_model):
+    """One step as 2 ranks x 3 sequences per micro-batch with gradient checkpointing, on one node: the two
+    tests below compare against this one launch."""
+    return train_one_step(tmp_path_factory.mktemp("two_ranks"), demo_model, 2, 3, "--grad-ckpt")
+
+
+def test_update_does_not_depend_on_world_size_or_micro_batches(tmp_path, demo_model, two_ranks_step):
     """The same batch (vLLM sampling is seeded) trained as 1 rank x 1 micro-batch and as 2 ranks x 3
     micro-batches with gradient checkpointing gives the same loss, gradient norm and new weights: the
     micro-batch weights, DeepSpeed's averaging over ranks and the recomputation agree. (Adam's first update
@@ -104,7 +111,7 @@ def test_update_does_not_depend_on_world_size_or_micro_batches(tmp_path, demo_mo
     from safetensors.torch import load_file
     start = load_file(os.path.join(demo_model, "model.safetensors"))
     log1, one = train_one_step(tmp_path / "w1", demo_model, world_size=1, micro_batch=64)
-    log2, two = train_one_step(tmp_path / "w2", demo_model, 2, 3, "--grad-ckpt")   # 2 ranks x 3 per micro-batch
+    log2, two = two_ranks_step
     assert log1["reward/mean"] == log2["reward/mean"] and 0 < log1["frac_zero_std"] < 1   # the same batch
     assert log2["loss"] == pytest.approx(log1["loss"], rel=1e-4, abs=1e-7)
     assert log2["grad_norm"] == pytest.approx(log1["grad_norm"], rel=1e-4) and log1["grad_norm"] > 0
@@ -122,7 +129,7 @@ def test_update_does_not_depend_on_world_size_or_micro_batches(tmp_path, demo_mo
         assert (diff > 1e-2 * moved).float().mean().item() < 1e-3 and diff.max().item() <= 2 * moved, k
 
 
-def test_two_nodes_take_the_same_step_as_one_node_with_two_ranks(tmp_path, demo_model):
+def test_two_nodes_take_the_same_step_as_one_node_with_two_ranks(tmp_path, demo_model, two_ranks_step):
     """More than one node, as docs/gpu.md launches it: a hostfile, one deepspeed launcher per node with
     --no_ssh and its --node_rank, the master's address. Here both "nodes" are this machine (loopback), one
     rank each; the step must equal the one-node, two-rank step (test above: that equals one rank's)."""
@@ -131,7 +138,8 @@ def test_two_nodes_take_the_same_step_as_one_node_with_two_ranks(tmp_path, demo_
     out = tmp_path / "nodes"
     nodes = [subprocess.Popen([DEEPSPEED, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank),
                                "--master_addr", "127.0.0.1", "--master_port", "29611",
-                               *one_step_flags(out, demo_model, 3)], cwd=ROOT, stdout=subprocess.PIPE,
+                               *one_step_flags(out, demo_model, 3), "--grad-ckpt"], cwd=ROOT,
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True) for rank in (0, 1)]
     try:
         logs = [p.communicate(timeout=600)[0] for p in nodes]
@@ -141,7 +149,7 @@ def test_two_nodes_take_the_same_step_as_one_node_with_two_ranks(tmp_path, demo_
                 os.killpg(p.pid, 9)
     assert [p.returncode for p in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     two_nodes, weights = step_result(out)
-    one_node, reference = train_one_step(tmp_path / "one", demo_model, 2, 3)
+    one_node, reference = two_ranks_step
     assert two_nodes["reward/mean"] == one_node["reward/mean"]   # the same batch
     assert two_nodes["loss"] == pytest.approx(one_node["loss"], rel=1e-5, abs=1e-7)
     assert two_nodes["grad_norm"] == pytest.approx(one_node["grad_norm"], rel=1e-5)
