@@ -14,8 +14,9 @@ The models are randomly initialised from hardcoded Qwen2.5 configs (no download;
 train) runs in a subprocess of its own, one after the other (--tiny: all at once, a smoke run), so its peak
 memory is its own: torch.cuda.max_memory_allocated on GPU (vLLM's KV cache included: it takes --gen-mem of
 the GPU), the process's ru_maxrss on CPU. Generation ignores EOS (a random model), so every completion is
---new-tokens long. MFU = the step's model FLOPs (train_flops) per second / peak FLOP/s (--peak-tflops, default 989 = H100 SXM
-dense bf16; n/a on CPU unless given). --no-gen skips the generation phases (their columns read n/a).
+--new-tokens long. MFU = the step's model FLOPs (train_flops) per second / peak FLOP/s (--peak-tflops,
+default 989 = H100 SXM dense bf16; n/a on CPU unless given). --no-gen skips the generation phases (their
+columns read n/a).
 """
 import argparse
 import json

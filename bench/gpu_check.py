@@ -32,6 +32,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from _common import ROOT, random_model, stop_at_random_lengths
@@ -158,6 +159,17 @@ def check_run(out, model, steps, tol):
             f"{sum(r['grad_norm'] > 0 for r in rows)}; largest weight change {moved:.3g}")
 
 
+def finish_bench(proc, held):
+    """Wait for bench/gpu_bench.py, print its output `held` back in a file (if any), stop if it failed
+    -> None."""
+    proc.wait()
+    if held is not None:
+        held.seek(0)
+        print(held.read(), end="", flush=True)
+    if proc.returncode:
+        raise SystemExit("gpu_check FAILED: bench/gpu_bench.py (its output is above)")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny shapes and 3 steps, on CPU (the test suite)")
@@ -175,17 +187,24 @@ def main():
     s, config = (dict(TINY), "tiny") if a.tiny else (dict(RECIPE), a.shape)
     s["steps"] = a.steps or s["steps"]
     t0 = time.time()
+    bench = None
     if not a.no_bench:
-        bench = [sys.executable, "bench/gpu_bench.py"] + (["--tiny", "--peak-tflops", "0.1"] if a.tiny else
-                                                          ["--models", config])
-        print("gpu_check:", " ".join(bench), flush=True)
-        if subprocess.run(bench, cwd=ROOT).returncode:
-            raise SystemExit("gpu_check FAILED: bench/gpu_bench.py (its output is above)")
+        cmd = [sys.executable, "bench/gpu_bench.py"] + (["--tiny", "--peak-tflops", "0.1"] if a.tiny else
+                                                        ["--models", config])
+        print("gpu_check:", " ".join(cmd), flush=True)
+        # on a GPU it runs first and alone (its numbers are measurements); --tiny, a smoke run on CPU, beside
+        # the GRPO run (both mostly wait on imports there), its output held until it ends
+        held = tempfile.TemporaryFile("w+") if a.tiny else None
+        bench = subprocess.Popen(cmd, cwd=ROOT, stdout=held), held
+        if not a.tiny:
+            bench = finish_bench(*bench)
     out = os.path.abspath(a.out_dir)
     shutil.rmtree(out, ignore_errors=True)   # a fresh run: the checks read this run's metrics only
     model = os.path.join(out, "model")
     build_model(model, config, s, gpus > 0)
     took = run_grpo(a, s, model, os.path.join(out, "run"), gpus)
+    if bench is not None:
+        finish_bench(*bench)
     print(f"gpu_check OK: {check_run(os.path.join(out, 'run'), model, s['steps'], a.sync_tol)}; "
           f"GRPO run {took:.0f} s, all {time.time() - t0:.0f} s", flush=True)
 
