@@ -363,6 +363,15 @@ def wait_for_server(url, timeout=120.0, interval=0.5) -> dict:
 
 # ----------------------------------------------------------------------------- model side
 
+def missing_folder(model) -> str | None:
+    """Why --model cannot be loaded, or None: it is meant as a local folder (a hub id is "org/name";
+    anything else with a slash, or starting with . / ~, is a path) and there is none."""
+    local = model.startswith((".", "/", "~")) or model.count("/") > 1
+    if local and not os.path.isdir(os.path.expanduser(model)):
+        return f"--model {model}: no such folder"
+    return None
+
+
 def exposure_error(host, token, insecure) -> str | None:
     """Why serving on `host` is refused, or None. A host other machines can reach needs a token or
     --insecure.
@@ -950,7 +959,7 @@ def main(argv=None):
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without a token (only on a network you trust)")
     a = p.parse_args(argv)
-    if err := exposure_error(a.host, a.token, a.insecure):
+    if err := exposure_error(a.host, a.token, a.insecure) or missing_folder(a.model):
         p.error(err)  # exits with status 2, before loading anything or binding the port
     torch.set_num_threads(a.threads)  # oversubscribed shared cores make everything 10-100x slower
     app = make_app(load_model(a.model, a.device, a.dtype), name=a.model, max_seqs=a.max_seqs,

@@ -20,7 +20,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rewards import parse_reward_spec
-from ref_server import default_dtype, server_urls
+from ref_server import default_dtype, missing_folder, server_urls
 from tasks import DataError, drop_long_prompts, load_task
 
 # a split held out of the train data (no test split) is the same rows whatever --seed, so runs compare
@@ -121,13 +121,12 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
                  gen_devices, ref_url, lora_rank, lora_alpha, **_):
     """Exits with one message naming every flag that is wrong, before anything is loaded or started;
     if none is, rank 0 prints the run in one line: the model, where training and vLLM run, the reference."""
-    # a hub id is "org/name"; anything else with a slash (or starting with . / ~) is meant as a local folder
-    local = model.startswith((".", "/", "~")) or model.count("/") > 1
     try:
         parse_reward_spec(rewards)
         bad_rewards = None
     except ValueError as e:
         bad_rewards = f"--rewards: {e}"
+    bad_model = missing_folder(model)
     problems = [msg for bad, msg in [
         (group_size < 2, "--group-size must be >= 2: advantages compare the completions of one prompt"),
         (prompts_per_step * group_size < world,
@@ -145,7 +144,7 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         (gen_devices and prompts_per_step < len(gen_devices),
          "--prompts-per-step must be >= the number of --gen-devices: each engine samples a share"),
         (not server_urls(ref_url), "--ref-url must name at least one server"),
-        (local and not os.path.isdir(os.path.expanduser(model)), f"--model {model}: no such folder"),
+        (bad_model, bad_model),
         (not os.path.isfile(ds_config), f"--ds-config {ds_config}: no such file"),
         (bad_rewards, bad_rewards),
     ] if bad]

@@ -287,8 +287,11 @@ def test_resume_after_sigkill_continues_the_run(tmp_path, demo_model):
 
 
 def test_check_config_names_every_bad_flag(capsys):
+    from deepspeed.accelerator import get_accelerator
     from grpo_train import get_args
     from run_setup import check_config
+    get_accelerator()   # DeepSpeed's one-time "Setting accelerator to CPU" line, here when this test runs alone
+    capsys.readouterr()
     ok = get_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])   # a hub id is not checked for a local folder
     check_config(2, **vars(ok))
     bad = get_args(["--model", "./no/such/folder", "--group-size", "1", "--prompts-per-step", "0",

@@ -288,6 +288,17 @@ def test_refuses_network_host_without_token(server_proc):  # server_proc: runs w
     assert "--insecure" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("model", ["runs/no-such-run/model", "./nope", "/nonexistent"])
+def test_a_model_folder_that_is_not_there_is_one_line(tmp_path, model):
+    """A path (two slashes, or . / ~ first) that names no folder: the flag's error, not transformers'
+    traceback from taking it for a hub id."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", model,
+                        "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env_without_token())
+    assert r.returncode == 2 and r.stderr.splitlines()[-1].endswith(f"--model {model}: no such folder")
+    assert "Traceback" not in r.stderr
+
+
 def test_health(server, model, tiny_model):
     h = wait_for_server(server, timeout=10)
     assert h == {"status": "ok", "model": tiny_model, "vocab_size": V, "fingerprint": h["fingerprint"],
