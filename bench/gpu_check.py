@@ -1,18 +1,20 @@
 """What a lent GPU machine should prove, in one command (the aim: under 10 minutes on one H100-class GPU):
 
-1. bench/gpu_bench.py at Qwen2.5-0.5B shape (vLLM sampling and the ZeRO-2 training step: tokens/s, MFU,
-   peak memory);
-2. 20 GRPO steps of the GPU recipe's shape (docs/gpu.md: 32 prompts x 8 completions, 512 + 512 tokens,
-   micro-batch 4, beta 0.04, lr 1e-6, a checkpoint at the end; 100 held-out prompts, not 500) on a randomly
-   initialised Qwen2.5-0.5B-shaped model (no download), with ref_server.py and the trainer started as the
+1. bench/gpu_bench.py at the model's shape (vLLM sampling standalone and as the generation process runs
+   it, and the ZeRO-2 training step: tokens/s, MFU, peak memory);
+2. --steps (20) GRPO steps of the GPU recipe's shape (docs/gpu.md: 32 prompts x 8 completions, 512 + 512
+   tokens, micro-batch 4, beta 0.04, lr 1e-6, a checkpoint at the end; 100 held-out prompts, not 500) on a
+   randomly initialised model of --shape (Qwen2.5-0.5B's unless given; no download), with ref_server.py and the trainer started as the
    recipe starts them (the trainer through the `deepspeed` launcher, the server with a token), then checks on
    the trainer's metrics.jsonl: every step's `sync/logp_diff` (vLLM's probe log-probs against the trainer's
    after the weight push) is at most --sync-tol, every loss and gradient norm is finite, at least one step
    trained, and the saved weights differ from the starting ones. (At lr 1e-6 a step moves the weights too
    little for an engine left with the old ones to fail the probe: tests/test_vllm.py shows that a stale engine
-   fails.)
+   fails.) Then `gpu_check phases`: the step's time/* split, the push's share of it, the engine's times and
+   its sampled tokens/s inside the run.
 
     python bench/gpu_check.py            # GPU; exits non-zero naming what failed
+    python bench/gpu_check.py --shape qwen2.5-1.5b --steps 50    # the README recipe's shape at 1.5B
     python bench/gpu_check.py --tiny     # CPU, tiny shapes, 3 steps (tests/test_bench.py)
 
 GPUs: with 3 or more, GPU 0 generates, GPU 1 serves the reference model and the rest train (the recipe's
@@ -201,8 +203,13 @@ def main():
     out = os.path.abspath(a.out_dir)
     shutil.rmtree(out, ignore_errors=True)   # a fresh run: the checks read this run's metrics only
     model = os.path.join(out, "model")
-    build_model(model, config, s, gpus > 0)
-    took = run_grpo(a, s, model, os.path.join(out, "run"), gpus)
+    try:
+        build_model(model, config, s, gpus > 0)
+        took = run_grpo(a, s, model, os.path.join(out, "run"), gpus)
+    except BaseException:   # --tiny: a failed run does not leave the bench running behind it
+        if bench is not None:
+            bench[0].kill()
+        raise
     if bench is not None:
         finish_bench(*bench)
     print(f"gpu_check OK: {check_run(os.path.join(out, 'run'), model, s['steps'], a.sync_tol)}; "
