@@ -162,8 +162,7 @@ def check_run(out, model, steps, tol):
 
 
 def finish_bench(proc, held):
-    """Wait for bench/gpu_bench.py, print its output `held` back in a file (if any), stop if it failed
-    -> None."""
+    """Wait for bench/gpu_bench.py, print its output `held` back in a file (if any), stop if it failed."""
     proc.wait()
     if held is not None:
         held.seek(0)
@@ -199,7 +198,8 @@ def main():
         held = tempfile.TemporaryFile("w+") if a.tiny else None
         bench = subprocess.Popen(cmd, cwd=ROOT, stdout=held), held
         if not a.tiny:
-            bench = finish_bench(*bench)
+            finish_bench(*bench)
+            bench = None
     out = os.path.abspath(a.out_dir)
     shutil.rmtree(out, ignore_errors=True)   # a fresh run: the checks read this run's metrics only
     model = os.path.join(out, "model")
