@@ -167,8 +167,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, e
 def rollout(llm, next_prompts, n_prompts, args):
     """An engine's share of a batch: sample -> score -> advantages -> filter."""
     from vllm import SamplingParams
+    # vLLM would also decode each token's log-prob (demo: +7 ms a batch): the text is decoded here
     sampling = SamplingParams(n=args.group_size, temperature=args.temperature,
-                              max_tokens=args.max_new_tokens, logprobs=0)
+                              max_tokens=args.max_new_tokens, logprobs=0, detokenize=False)
+    decode = partial(llm.get_tokenizer().decode, skip_special_tokens=True)
     spec, size = rewards.parse_reward_spec(args.rewards), n_prompts * args.group_size
     kept, dropped, scored, rounds = [], [], [], 0
     # more rounds only with dynamic sampling, until groups with signal fill the batch
@@ -180,7 +182,7 @@ def rollout(llm, next_prompts, n_prompts, args):
                             use_tqdm=False)
         # score: every completion with every reward, plus the overlong penalty
         for s, c in ((s, c) for s, o in zip(picked, outs) for c in o.outputs):
-            total, parts, n_err = rewards.score(c.text, s, spec)
+            total, parts, n_err = rewards.score(decode(c.token_ids), s, spec)
             parts["overlong"] = rewards.overlong_penalty(len(c.token_ids), args.max_new_tokens,
                                                          args.overlong_buffer)
             scored.append((total + parts["overlong"], parts, n_err, c))
@@ -200,8 +202,6 @@ def rollout(llm, next_prompts, n_prompts, args):
 def reference(seqs, args):
     """The kept sequences' reference log-probs, asked for by the engine that sampled them, on a
     thread: the forward overlaps the next weight load and the trainer's step (rule: generation)."""
-    if args.beta == 0:
-        return None
     got = ref_logps(args.ref_url, [s["prompt"] for s in seqs], [s["completion"] for s in seqs],
                     args.temperature, retry_for=args.ref_wait)
     return [ref.tolist() for ref in got]
@@ -259,7 +259,7 @@ def main(args):
         # --- batch: rank 0 takes the generation process's next one; every rank gets it
         times = {}
         with timed(times, "time/wait_s"):
-            batch = master_process and gen.next_batch(engine.global_steps, more=step < last)
+            batch = master_process and gen.next_batch(engine.global_steps)
             batch = broadcast_json(batch, engine.device)
         mine = batch["seqs"][rank::world]
 

@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-from generation import engine_positions, merge_batches, shares_of_blocks
+from generation import GenerationProcess, engine_positions, merge_batches, shares_of_blocks
 from ref_server import even_shares, server_urls
 from tasks import shuffled_forever
 
@@ -81,6 +81,62 @@ def test_the_engines_batches_join_in_engine_order_with_the_metrics_of_the_whole(
     assert m["time/gen_idle_s"] == 0.5 and m["sync/logp_diff"] == 3e-6 and m["gen/engines"] == 2
     with pytest.raises(RuntimeError, match="versions"):
         merge_batches([a, _part(["c"], version=2)])
+
+
+class RankZeroAlone(GenerationProcess):
+    """Rank 0's handle on one engine, with no process started. `log` records, in order: P<v> push of weights
+    v, B<v> a batch request (the engine, taking messages in order, samples it with weights v), T<v> the
+    trainer takes a batch sampled with weights v, R<s> the reference servers are told to load step s."""
+
+    def __init__(self, ahead, steps, ref_sync_every=0):
+        self.ahead, self.wanted, self.ref_sync_every, self.requested, self.version = ahead, steps, ref_sync_every, 0, -1
+        self.procs, self.log, self.queued, self.opt_steps_at, self.step_at, self.lags = [None], [], [], {}, {}, []
+
+    def _send(self, msg):
+        self.log.append(f"B{self.version}" if msg["kind"] == "batch" else f"R{msg['step']}")
+        if msg["kind"] == "batch":
+            self.queued.append(self.version)
+
+    def _next_batch_of(self, engine):
+        version = self.queued.pop(0)
+        self.log.append(f"T{version}")
+        return _part(["s"], version=version)
+
+    def run(self, steps, sync_every=1):
+        """grpo_train.main's calls: the first push, then per step: take a batch, push (every sync_every steps
+        and at the last), and with --ref-sync-every the reference reload -> the log."""
+        for step in range(steps + 1):
+            if step:
+                batch = self.next_batch(step - 1)
+                self.lags.append(self.version - batch["version"])
+            if step % sync_every == 0 or step == steps:
+                self.version += 1
+                self.log.append(f"P{self.version}")
+                self._pushed(step, step)
+            if self.ref_sync_every and step and step % self.ref_sync_every == 0:
+                self.reload_reference("ckpt", step)
+        return " ".join(self.log)
+
+
+def test_a_push_asks_at_once_for_the_batches_it_allows():
+    """Right after a push rank 0 asks for 1 + --max-staleness batches not yet taken (the next step's and
+    `ahead` more), not when it takes the next batch: the engine goes from the weight load straight to the
+    batch after next, instead of waiting out the next batch's reference request. Never more batches than
+    the run takes, none older than the rule allows; at a step whose checkpoint the reference servers load,
+    the requests follow the reload message, so which reference scores which batch is unchanged."""
+    # before this change: "P0 B0 T0 B0 P1 T0 B1 P2 T1 B2 P3 T2 P4", each request after the take before it
+    gen = RankZeroAlone(ahead=1, steps=4)
+    assert gen.run(4) == "P0 B0 B0 T0 P1 B1 T0 P2 B2 T1 P3 T2 P4"
+    assert gen.lags == [0, 1, 1, 1] and gen.requested == gen.wanted == 0
+    gen = RankZeroAlone(ahead=1, steps=4, ref_sync_every=2)
+    assert gen.run(4) == "P0 B0 B0 T0 P1 B1 T0 P2 R2 B2 T1 P3 T2 P4 R4"
+    # on-policy: one batch after each push, of its weights
+    gen = RankZeroAlone(ahead=0, steps=3)
+    assert gen.run(3) == "P0 B0 T0 P1 B1 T1 P2 B2 T2 P3" and gen.lags == [0, 0, 0]
+    # --sync-every 2: between pushes, taking a batch asks for the next
+    gen = RankZeroAlone(ahead=1, steps=5)
+    assert gen.run(5, sync_every=2) == "P0 B0 B0 T0 T0 B0 P1 B1 T0 T1 B1 P2 T1 P3"
+    assert gen.lags == [0, 0, 1, 0, 1] and gen.requested == 0
 
 
 def test_engine_and_server_flags(capsys):

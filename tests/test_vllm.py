@@ -57,6 +57,24 @@ def test_generation_gives_group_with_trainer_matching_logps(setup):
     assert max_logp_diff(model, PROMPT, samples) < 1e-3   # same temperature on both sides: ratio starts at 1
 
 
+def test_the_text_rollout_decodes_is_the_text_vllm_gives(setup):
+    """rollout samples with detokenize=False (vLLM would also decode each sampled token's log-prob entry)
+    and decodes the completions itself, as tokenizer.decode(ids, skip_special_tokens=True), TRL's way: the
+    same text vLLM gives, the EOS of a stopped completion left out."""
+    llm, _ = setup
+    decode = llm.get_tokenizer().decode   # rollout's call, with its skip_special_tokens=True
+    params = vllm.SamplingParams(n=16, temperature=1.0, max_tokens=12, logprobs=0, seed=3)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in (PROMPT, LONG_PROMPT[:8])], params,
+                        use_tqdm=False)
+    completions = [c for o in outs for c in o.outputs]
+    eos = llm.get_tokenizer().eos_token_id
+    assert any(c.token_ids[-1] == eos for c in completions) and any(c.text for c in completions)
+    assert [decode(c.token_ids, skip_special_tokens=True) for c in completions] == [c.text for c in completions]
+    params = vllm.SamplingParams(n=16, temperature=1.0, max_tokens=12, logprobs=0, seed=3, detokenize=False)
+    quiet = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs
+    assert [c.token_ids for c in quiet] == [c.token_ids for c in outs[0].outputs] and quiet[0].text == ""
+
+
 def test_reload_alone_keeps_the_old_tied_lm_head_and_our_push_fixes_it(setup):
     llm, model = setup
     weights = perturbed(model, seed=1)
