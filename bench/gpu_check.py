@@ -4,14 +4,14 @@
    it, and the ZeRO-2 training step: tokens/s, MFU, peak memory);
 2. --steps (20) GRPO steps of the GPU recipe's shape (docs/gpu.md: 32 prompts x 8 completions, 512 + 512
    tokens, micro-batch 4, beta 0.04, lr 1e-6, a checkpoint at the end; 100 held-out prompts, not 500) on a
-   randomly initialised model of --shape (Qwen2.5-0.5B's unless given; no download), with ref_server.py and the trainer started as the
-   recipe starts them (the trainer through the `deepspeed` launcher, the server with a token), then checks on
-   the trainer's metrics.jsonl: every step's `sync/logp_diff` (vLLM's probe log-probs against the trainer's
-   after the weight push) is at most --sync-tol, every loss and gradient norm is finite, at least one step
-   trained, and the saved weights differ from the starting ones. (At lr 1e-6 a step moves the weights too
-   little for an engine left with the old ones to fail the probe: tests/test_vllm.py shows that a stale engine
-   fails.) Then `gpu_check phases`: the step's time/* split, the push's share of it, the engine's times and
-   its sampled tokens/s inside the run.
+   randomly initialised model of --shape (Qwen2.5-0.5B's unless given; no download), with ref_server.py and
+   the trainer started as the recipe starts them (the trainer through the `deepspeed` launcher, the server
+   with a token), then checks on the trainer's metrics.jsonl: every step's `sync/logp_diff` (vLLM's probe
+   log-probs against the trainer's after the weight push) is at most --sync-tol, every loss and gradient norm
+   is finite, at least one step trained, and the saved weights differ from the starting ones. (At lr 1e-6 a
+   step moves the weights too little for an engine left with the old ones to fail the probe:
+   tests/test_vllm.py shows that a stale engine fails.) Then `gpu_check phases`: the step's time/* split, the
+   push's share of it, the engine's times and its sampled tokens/s inside the run.
 
     python bench/gpu_check.py            # GPU; exits non-zero naming what failed
     python bench/gpu_check.py --shape qwen2.5-1.5b --steps 50    # the README recipe's shape at 1.5B
