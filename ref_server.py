@@ -482,7 +482,8 @@ def micro_batches(lengths, max_seqs, max_tokens) -> list[list[int]]:
     return batches + [cur]
 
 
-def compute_logps(model, prompts, completions, temperature, micro_batch=8, max_forward_tokens=8192):
+def compute_logps(model, prompts, completions, temperature, micro_batch=64,
+                  max_forward_tokens=8192):
     """Each completion's float32 log-probs, in input order, a bounded micro-batch at a time."""
     device, out = next(model.parameters()).device, [None] * len(prompts)
     for idx in micro_batches([(len(prompts[i]), len(completions[i])) for i in range(len(prompts))],
@@ -717,7 +718,7 @@ def read_checkpoint(path, checkpoint_dir, model) -> tuple[str, dict]:
 
 # ----------------------------------------------------------------------------- the server
 
-def make_app(served, *, name, max_seqs, max_tokens, max_body, micro_batch=8,
+def make_app(served, *, name, max_seqs, max_tokens, max_body, micro_batch=64,
              max_forward_tokens=8192, token=None, checkpoint_dir=None) -> bottle.Bottle:
     """checkpoint_dir enables POST /reload (with a token only), which copies a checkpoint's weights
     into `served`: the architecture served never changes, and no second model is built."""
@@ -939,7 +940,7 @@ def main(argv=None):
                    help="most sequences per request (else 413)")
     p.add_argument("--max-body-mb", type=float, default=16.0,
                    help="largest request body in MiB (else 413)")
-    p.add_argument("--micro-batch", type=int, default=8, help="most sequences per forward pass")
+    p.add_argument("--micro-batch", type=int, default=64, help="most sequences per forward pass")
     p.add_argument("--max-forward-tokens", type=int, default=8192,
                    help="most padded tokens per forward pass (a longer sequence goes alone): "
                    "bounds memory")

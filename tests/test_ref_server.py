@@ -620,6 +620,19 @@ def test_micro_batches_are_bounded(max_seqs, max_tokens):
     assert order == sorted(order)
 
 
+def test_a_demo_batch_takes_two_forward_passes(model):
+    """The default micro-batch (64 rows; --max-forward-tokens bounds memory) runs a demo batch, ~100 kept
+    sequences of 5 + 4-6 tokens, in 2 forward passes. The old default, 8, took 13: 39 ms a batch against
+    25 ms on the demo model (`/tmp` micro-benchmark, bench/README.md section 0)."""
+    passes = []
+    hook = model.get_decoder().register_forward_hook(lambda module, args, out: passes.append(1))
+    try:
+        compute_logps(model, [[5, 6, 7, 8, 9]] * 100, [[3] * (4 + i % 3) for i in range(100)], 1.0)
+    finally:
+        hook.remove()
+    assert len(passes) == 2
+
+
 def test_split_to_fit():
     limits = {"max_seqs": 3, "max_tokens": 10, "max_body": 10**6}
     prompts, completions = [[1]] * 6 + [[1] * 20], [[2, 3]] * 6 + [[2]]
