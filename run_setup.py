@@ -16,7 +16,6 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import transformers
-from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rewards import parse_reward_spec
@@ -179,6 +178,9 @@ def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_ta
         # no dropout: the probe and the on-policy ratio need the forward pass vLLM computes; A starts random
         # (B at zero), from --seed, so that a run repeats
         torch.manual_seed(seed)
+        # imported here: peft takes 1.5 s to import, and a run without LoRA (the generation process, which
+        # imports this file through grpo_train.py, included) never needs it
+        from peft import LoraConfig
         model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank, lora_dropout=0.0,
                                      target_modules=targets))
     if dist.is_initialized() and dist.get_rank() == 0:
