@@ -61,6 +61,9 @@ REQUEST_KEYS = ("input_ids", "seq_lens", "prompt_lens")
 # below this, logits / T overflow float32 (1e-45 gave -inf, 1e-300 NaN); samplers treat
 # T < 1e-3 as greedy
 MIN_TEMPERATURE = 1e-3
+# one forward pass's bounds (--micro-batch, --max-forward-tokens): the token budget bounds memory;
+# the row limit keeps short sequences in few passes (a demo batch: 2, docs/reference-server.md)
+MICRO_BATCH, MAX_FORWARD_TOKENS = 64, 8192
 # the config fields model_fingerprint hashes (a /reload compares the whole config: check_config)
 ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "num_key_value_heads")
@@ -482,8 +485,8 @@ def micro_batches(lengths, max_seqs, max_tokens) -> list[list[int]]:
     return batches + [cur]
 
 
-def compute_logps(model, prompts, completions, temperature, micro_batch=64,
-                  max_forward_tokens=8192):
+def compute_logps(model, prompts, completions, temperature, micro_batch=MICRO_BATCH,
+                  max_forward_tokens=MAX_FORWARD_TOKENS):
     """Each completion's float32 log-probs, in input order, a bounded micro-batch at a time."""
     device, out = next(model.parameters()).device, [None] * len(prompts)
     for idx in micro_batches([(len(prompts[i]), len(completions[i])) for i in range(len(prompts))],
@@ -718,8 +721,9 @@ def read_checkpoint(path, checkpoint_dir, model) -> tuple[str, dict]:
 
 # ----------------------------------------------------------------------------- the server
 
-def make_app(served, *, name, max_seqs, max_tokens, max_body, micro_batch=64,
-             max_forward_tokens=8192, token=None, checkpoint_dir=None) -> bottle.Bottle:
+def make_app(served, *, name, max_seqs, max_tokens, max_body, micro_batch=MICRO_BATCH,
+             max_forward_tokens=MAX_FORWARD_TOKENS, token=None,
+             checkpoint_dir=None) -> bottle.Bottle:
     """checkpoint_dir enables POST /reload (with a token only), which copies a checkpoint's weights
     into `served`: the architecture served never changes, and no second model is built."""
     app = bottle.Bottle()
@@ -940,8 +944,9 @@ def main(argv=None):
                    help="most sequences per request (else 413)")
     p.add_argument("--max-body-mb", type=float, default=16.0,
                    help="largest request body in MiB (else 413)")
-    p.add_argument("--micro-batch", type=int, default=64, help="most sequences per forward pass")
-    p.add_argument("--max-forward-tokens", type=int, default=8192,
+    p.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
+                   help="most sequences per forward pass")
+    p.add_argument("--max-forward-tokens", type=int, default=MAX_FORWARD_TOKENS,
                    help="most padded tokens per forward pass (a longer sequence goes alone): "
                    "bounds memory")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],

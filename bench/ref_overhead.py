@@ -19,6 +19,7 @@ import tempfile
 
 from _common import BIG, ROOT, demo_model, machine, print_table, random_model, timed
 from demo.run_demo import free_port
+from ref_server import MICRO_BATCH
 
 
 def start_server(path, a, log):
@@ -46,7 +47,8 @@ def main():
     p.add_argument("--seqs", type=int, default=64, help="sequences per request")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--completion-len", type=int, default=12)
-    p.add_argument("--micro-batch", type=int, default=64, help="sequences per forward, both sides (server default)")
+    p.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
+                   help="sequences per forward, both sides (server default)")
     p.add_argument("--threads", type=int, default=1, help="torch threads, both sides (the demo's server runs 1)")
     p.add_argument("--reps", type=int, default=20, help="timed calls per side (median)")
     a = p.parse_args()
