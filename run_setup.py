@@ -2,6 +2,7 @@
 checks, the model and DeepSpeed engine, the prompts, and how the ranks share a batch. grpo_train.py uses
 it; read that first. A user's mistake (a flag, the data) stops the run with one line (stop_with); a
 traceback means a bug."""
+import contextlib
 import datetime
 import gc
 import json
@@ -108,10 +109,25 @@ def init_distributed(timeout_minutes, threads):
     if torch.cuda.is_available():   # before any collective
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
+    unlink_shm_buffer()
     # raising on SIGTERM runs exit handlers, which stop the generation process
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     torch.set_num_threads(threads)
     return dist.get_rank(), dist.get_world_size()
+
+
+def unlink_shm_buffer():
+    """DeepSpeed 0.19.8's CPU allreduce (ops/csrc/cpu/comm/shm.cpp), used when every rank is on one node,
+    puts a 66 MB buffer per rank in /dev/shm and never unlinks it: each CPU launch left its ranks' buffers
+    there (301 had filled 20 GB of this machine's 24 GB tmpfs, and vLLM's CPU worker then refused to start
+    for want of memory). Every rank has mapped every buffer once all have left init_distributed, so each
+    removes its own name then: the memory stays mapped until the ranks exit, a killed run's included."""
+    dist.barrier()
+    name = "_".join(["deepspeed_allreduce_buffer", str(os.getuid()), os.environ.get("MASTER_ADDR", ""),
+                     os.environ.get("MASTER_PORT", ""), str(dist.get_rank())])
+    # none on GPUs, or across nodes: DeepSpeed makes it only for CPU ranks that share one node
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join("/dev/shm", name))
 
 
 def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_batch, steps, num_iterations,

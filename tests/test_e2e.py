@@ -1,5 +1,6 @@
 """End to end: the real scripts through the real deepspeed launcher on CPU (vLLM child, ref server on
 loopback, DeepSpeed ZeRO-2 with gloo), at world size 1 and 2, on the warm-started demo model."""
+import glob
 import json
 import os
 import re
@@ -88,11 +89,14 @@ def step_result(out_dir):
 
 
 def train_one_step(out_dir, model, world_size, micro_batch, *extra):
-    """One step straight through the deepspeed launcher, world_size ranks on one node."""
-    cmd = [DEEPSPEED, "--num_gpus", str(world_size), "--master_port", str(29600 + world_size),
+    """One step straight through the deepspeed launcher, world_size ranks on one node. DeepSpeed's CPU
+    allreduce buffers (one per rank in /dev/shm, named after the launch's port) are gone after it."""
+    port = 29600 + world_size
+    cmd = [DEEPSPEED, "--num_gpus", str(world_size), "--master_port", str(port),
            *one_step_flags(out_dir, model, micro_batch), *extra]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
     return step_result(out_dir)
 
 

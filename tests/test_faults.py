@@ -1,4 +1,5 @@
 """Faults during a run, through the real deepspeed launcher: each is noticed, named, and ends the run cleanly."""
+import glob
 import json
 import os
 import re
@@ -274,6 +275,8 @@ def test_resume_after_sigkill_continues_the_run(tmp_path, demo_model):
     wait_for_step(proc, tmp_path, 5)
     os.killpg(proc.pid, signal.SIGKILL)   # the whole process group: a job killed without warning
     proc.wait()
+    # DeepSpeed's CPU allreduce buffer in /dev/shm (66 MB) was unlinked once every rank had mapped it
+    assert not glob.glob("/dev/shm/deepspeed_allreduce_buffer_*_29714_*")
     latest = (tmp_path / "latest").read_text()
     k = int(latest.removeprefix("step_"))
     assert 4 <= k < 20 and k % 2 == 0
