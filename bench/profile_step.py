@@ -10,6 +10,11 @@ rows sum to the wall time of one step, waits included: what a process waits on i
 
     .venv/bin/python bench/profile_step.py                    # ~2 min: 400 steps, a 20 s window
     .venv/bin/python bench/profile_step.py -- --max-staleness 2   # extra grpo_train.py flags after --
+    .venv/bin/python bench/profile_step.py --rate 0 --steps 60 --warm-steps 2 --seconds 2   # CPU alone
+
+It also prints each process's CPU time per step over the window (psutil, threads included) and their sum
+against what the machine's cores could give in that time. py-spy itself takes CPU from the processes it
+samples (on two cores, a share that shows): --rate 0 leaves it out, for the CPU line alone.
 
 py-spy (requirements-dev.txt) reads the processes' memory from outside; as root it needs no set-up.
 """
@@ -103,6 +108,11 @@ def find(pred, timeout=300):
     raise SystemExit("process not found")
 
 
+def cpu_seconds(procs):
+    """{name: pid} -> {name: user + system CPU seconds so far, all of its threads}."""
+    return {name: sum(psutil.Process(pid).cpu_times()[:2]) for name, pid in procs.items()}
+
+
 def last_step(path):
     if not os.path.exists(path):
         return 0
@@ -118,7 +128,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=400, help="demo steps (the window must end before the run)")
     p.add_argument("--warm-steps", type=int, default=30, help="start sampling after this step")
     p.add_argument("--seconds", type=float, default=20, help="sampling window")
-    p.add_argument("--rate", type=int, default=200, help="py-spy samples per second per process")
+    p.add_argument("--rate", type=int, default=200,
+                   help="py-spy samples per second per process (0: no py-spy, the CPU line alone)")
     p.add_argument("--model", default="runs/demo/model", help="warm-started demo model (make demo builds it)")
     p.add_argument("--out-dir", default="runs/profile_step", help="the run and the raw py-spy files")
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -142,10 +153,10 @@ def main(argv=None):
             [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid", str(pid), "--duration",
              str(a.seconds), "--rate", str(a.rate), "--nonblocking", "--idle", "--threads", "--format", "raw",
              "-o", os.path.join(out, f"{name}.raw")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for name, pid in procs.items()}
-        step0, t0 = last_step(metrics), time.time()
+            for name, pid in procs.items() if a.rate}
+        cpu0, step0, t0 = cpu_seconds(procs), last_step(metrics), time.time()
         time.sleep(a.seconds)
-        step1, t1 = last_step(metrics), time.time()
+        cpu1, step1, t1 = cpu_seconds(procs), last_step(metrics), time.time()
         for s in spies.values():
             s.wait()
         if demo.wait() != 0:
@@ -154,6 +165,13 @@ def main(argv=None):
     if steps < 5:
         raise SystemExit(f"only {steps} steps in the window: raise --seconds or --steps")
     ms_per_step = 1000 * (t1 - t0) / steps
+    cpu = {name: 1000 * (cpu1[name] - cpu0[name]) / steps for name in procs}
+    print(f"steps {step0}-{step1} in {t1 - t0:.1f} s: {ms_per_step:.1f} ms per step (wall); CPU per step: " +
+          ", ".join(f"{name} {ms:.0f} ms" for name, ms in cpu.items()) +
+          f"; together {sum(cpu.values()):.0f} ms, {sum(cpu.values()) / (ms_per_step * os.cpu_count()):.0%} of "
+          f"{os.cpu_count()} cores")
+    if not a.rate:
+        return
     tables = {}
     for name, rows, threads in (("trainer", TRAINER, ("MainThread",)),
                                 ("generation", GENERATION, ("MainThread", "feeder")),
@@ -165,8 +183,7 @@ def main(argv=None):
         else:                     # the main thread's samples are the wall time; the feeder's run beside it
             wall = sum(n for k, n in counts.items() if k != FEEDER[0])
         tables[name] = {k: n / wall * ms_per_step for k, n in counts.most_common()}
-    print(f"steps {step0}-{step1} in {t1 - t0:.1f} s: {ms_per_step:.1f} ms per step (wall)\n")
-    print("| process | where | ms per step | share of the step |\n| --- | --- | --- | --- |")
+    print("\n| process | where | ms per step | share of the step |\n| --- | --- | --- | --- |")
     for name, rows in tables.items():
         for k, ms in rows.items():
             print(f"| {name} | {k} | {ms:.1f} | {ms / ms_per_step:.0%} |")
