@@ -21,6 +21,7 @@ py-spy (requirements-dev.txt) reads the processes' memory from outside; as root 
 import argparse
 import collections
 import json
+import math
 import os
 import subprocess
 import sys
@@ -151,7 +152,7 @@ def main(argv=None):
         procs = {"trainer": trainer.pid, "generation": gen.pid, "reference": ref.pid}
         spies = {name: subprocess.Popen(
             [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid", str(pid), "--duration",
-             str(a.seconds), "--rate", str(a.rate), "--nonblocking", "--idle", "--threads", "--format", "raw",
+             str(math.ceil(a.seconds)), "--rate", str(a.rate), "--nonblocking", "--idle", "--threads", "--format", "raw",
              "-o", os.path.join(out, f"{name}.raw")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for name, pid in procs.items() if a.rate}
         cpu0, step0, t0 = cpu_seconds(procs), last_step(metrics), time.time()
