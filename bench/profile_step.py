@@ -152,8 +152,9 @@ def main(argv=None):
         procs = {"trainer": trainer.pid, "generation": gen.pid, "reference": ref.pid}
         spies = {name: subprocess.Popen(
             [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid", str(pid), "--duration",
-             str(math.ceil(a.seconds)), "--rate", str(a.rate), "--nonblocking", "--idle", "--threads", "--format", "raw",
-             "-o", os.path.join(out, f"{name}.raw")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             str(math.ceil(a.seconds)), "--rate", str(a.rate), "--nonblocking", "--idle", "--threads",
+             "--format", "raw", "-o", os.path.join(out, f"{name}.raw")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for name, pid in procs.items() if a.rate}
         cpu0, step0, t0 = cpu_seconds(procs), last_step(metrics), time.time()
         time.sleep(a.seconds)
