@@ -4,7 +4,7 @@ grpo_train.py holds what the process computes (`rollout`: sample -> score -> adv
 file holds how it runs: vLLM's start-up, the weight transfer, the held-out evaluation, and the messages.
 
 Engines. --gen-devices 0,1,... starts one such process per device (--gen-device N is the one-engine
-spelling). Each step's prompts are split across them (ref_server.even_shares: any --prompts-per-step >= the
+spelling). Each step's prompts are split across them (ref_client.even_shares: any --prompts-per-step >= the
 number of engines), each samples its share with a seed of its own, and the batch is their union in engine
 order, so a run is reproducible for a given number of engines. The data order is one shuffled stream cut in
 blocks of --prompts-per-step; engine i takes share i of each block it draws, so with dynamic sampling
@@ -57,6 +57,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
+from urllib.parse import urlsplit
 
 import psutil
 import torch
@@ -64,7 +65,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lora import base_model_view, vllm_weights
-from ref_server import even_shares, model_fingerprint, reload_reference, server_urls, wait_for_server
+from ref_client import RefServerError, even_shares, reload_reference, server_urls, wait_for_server
+from ref_server import model_fingerprint
 from rewards import format_reward, parse_reward_spec, score
 from tasks import shuffled_forever
 
@@ -417,12 +419,20 @@ def merge_batches(parts):
 
 def check_reference(urls, wait_s, policy, refreshed, model_name):
     """Wait for every reference server; each must serve the model we start from, or, on a run resumed after
-    a reference refresh, is told to load that checkpoint again."""
+    a reference refresh, is told to load that checkpoint again. A server that does not answer, or serves
+    another model, ends the run with one line saying what to do."""
     fingerprint = None if refreshed else model_fingerprint(base_model_view(policy))
     for url in server_urls(urls):
-        served = wait_for_server(url, timeout=wait_s)["fingerprint"]
-        if fingerprint and served != fingerprint:
-            raise RuntimeError(f"{url} serves another model than --model {model_name}")
+        start = f"python ref_server.py --model {model_name} --port {urlsplit(url).port}"
+        try:
+            served = wait_for_server(url, timeout=wait_s, note=f"grpo_train.py: waiting up to {wait_s:g}s "
+                                     f"(--ref-wait) for the reference server at {url}")
+        except RefServerError:
+            raise SystemExit(f"grpo_train.py: {url}/health not ready after {wait_s:g}s (--ref-wait): start "
+                             f"the reference server ({start}), or train without one (--beta 0)") from None
+        if fingerprint and served["fingerprint"] != fingerprint:
+            raise SystemExit(f"grpo_train.py: {url} serves another model than --model {model_name}: it serves "
+                             f"{served['model']}; restart it ({start})")
     if refreshed:
         reload_reference(urls, refreshed)
 

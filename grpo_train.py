@@ -23,7 +23,7 @@ from checkpoints import load_checkpoint, read_state, save_checkpoint
 from generation import GenerationProcess
 from metrics import (Counters, MetricsLog, add_stats, loss_metrics, policy_stats, reduce_stats,
                      rollout_metrics, timed)
-from ref_server import ref_logps
+from ref_client import ref_logps
 from run_setup import (add_system_args, broadcast_json, build_engine, check_config,
                        init_distributed, load_policy, load_prompts, micro_batches, shut_down)
 

@@ -20,7 +20,8 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rewards import parse_reward_spec
-from ref_server import default_dtype, missing_folder, server_urls
+from ref_client import server_urls, url_error
+from ref_server import default_dtype, missing_folder
 from tasks import DataError, drop_long_prompts, load_task
 
 # a split held out of the train data (no test split) is the same rows whatever --seed, so runs compare
@@ -141,7 +142,7 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         bad_rewards = None
     except ValueError as e:
         bad_rewards = f"--rewards: {e}"
-    bad_model = missing_folder(model)
+    bad_model, bad_url = missing_folder(model), url_error(ref_url)
     problems = [msg for bad, msg in [
         (group_size < 2, "--group-size must be >= 2: advantages compare the completions of one prompt"),
         (prompts_per_step * group_size < world,
@@ -158,7 +159,7 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         (ref_sync_every and beta == 0, "--ref-sync-every needs a reference model (--beta > 0)"),
         (gen_devices and prompts_per_step < len(gen_devices),
          "--prompts-per-step must be >= the number of --gen-devices: each engine samples a share"),
-        (not server_urls(ref_url), "--ref-url must name at least one server"),
+        (bad_url, bad_url),
         (bad_model, bad_model),
         (not os.path.isfile(ds_config), f"--ds-config {ds_config}: no such file"),
         (bad_rewards, bad_rewards),

@@ -39,7 +39,8 @@ def shapes(config):
 
 def part_ref(a, config, device):
     import torch
-    from ref_server import compute_logps, load_model, ref_logps, wait_for_server
+    from ref_client import ref_logps, wait_for_server
+    from ref_server import compute_logps, load_model
     with tempfile.TemporaryDirectory() as tmp, open(os.path.join(tmp, "server.log"), "w+") as log:
         path = random_model(os.path.join(tmp, "m"), dtype="bfloat16" if device != "cpu" else "float32",
                             vocab=VOCAB, max_len=a.prompt_len + a.completion_len, **CONFIGS[config])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from generation import GenerationProcess, engine_positions, merge_batches, shares_of_blocks
-from ref_server import even_shares, server_urls
+from ref_client import even_shares, server_urls
 from tasks import shuffled_forever
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,7 +158,8 @@ def test_engine_and_server_flags(capsys):
 def test_two_reference_servers_each_score_their_share(tmp_path, tiny_model, demo_model):
     """Two servers with different models: the first half of the batch comes back with the first server's
     log-probs and the second half with the second's, in order; each request went to its own server."""
-    from ref_server import compute_logps, load_model, ref_logps, wait_for_server
+    from ref_client import ref_logps, wait_for_server
+    from ref_server import compute_logps, load_model
     ports, procs = (29871, 29872), []
     try:
         for model, port in zip((tiny_model, demo_model), ports):

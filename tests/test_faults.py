@@ -159,7 +159,7 @@ def start_ref_server(model, port, log_path):
     proc = subprocess.Popen([sys.executable, "ref_server.py", "--model", model, "--port", str(port)], cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     RUNS.append(proc)
-    from ref_server import wait_for_server
+    from ref_client import wait_for_server
     wait_for_server(f"http://127.0.0.1:{port}", timeout=120)
     return proc
 

@@ -5,13 +5,13 @@ import http.client
 import json
 import os
 import select
+import socket
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from wsgiref.simple_server import make_server
 
 import pytest
 import requests
@@ -19,12 +19,12 @@ import torch
 from hypothesis import given, settings
 from safetensors.torch import load_file, save as st_save, save_file
 
+import ref_client
 import ref_server
 from demo.run_demo import free_port
-from ref_server import (QuietHandler, RefServerError, ThreadingWSGIServer, WireError, compute_logps,
-                        decode_request, decode_response, encode_request, encode_response, exposure_error,
-                        make_app, micro_batches, model_fingerprint, ref_logps, reload_reference, split_to_fit,
-                        wait_for_server)
+from ref_client import RefServerError, ref_logps, reload_reference, split_to_fit, wait_for_server
+from ref_server import (MAX_HEAD, WireError, compute_logps, decode_request, decode_response, encode_request,
+                        encode_response, exposure_error, make_app, micro_batches, model_fingerprint, serve)
 from test_ref_server_fuzz import any_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -234,7 +234,7 @@ def assert_serves(url, model):
 
 def test_client_takes_the_token_from_the_environment(server, model):
     """The trainer calls ref_logps without a token: it comes from REF_SERVER_TOKEN, like the server's."""
-    code = ("import sys, ref_server; ref_server.ref_logps(sys.argv[1], [[1, 2]], [[4]], 1.0, retry_for=0); "
+    code = ("import sys, ref_client; ref_client.ref_logps(sys.argv[1], [[1, 2]], [[4]], 1.0, retry_for=0); "
             "print('ok')")
     env = env_without_token()
     no = subprocess.run([sys.executable, "-c", code, server], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -246,8 +246,9 @@ def test_client_takes_the_token_from_the_environment(server, model):
 
 
 def test_import_is_light(server_proc):  # server_proc: runs while the server boots
-    # the trainer imports ref_server at its top: that must not pull in transformers/grpo_train or start anything
-    code = "import sys, ref_server; assert not {'transformers', 'grpo_train'} & set(sys.modules), sys.modules.keys()"
+    # the trainer imports the client (and so ref_server) at its top: that must not pull in transformers/grpo_train
+    # or start anything
+    code = "import sys, ref_client; assert not {'transformers', 'grpo_train'} & set(sys.modules), sys.modules.keys()"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
@@ -351,20 +352,23 @@ def raw_request(url, headers, method="POST", path="/logps"):
 def test_body_limits(server, model):
     auth = {"Authorization": f"Bearer {TOKEN}"}
     limit = int(0.05 * 2**20)
-    # over --max-body-mb: refused from the header alone, before any byte of the body is read
+    # over --max-body-mb: refused from the header alone (waitress's max_request_body_size), before any byte of
+    # the body is read
     status, err = raw_request(server, {**auth, "Content-Length": str(limit + 1)})
-    assert status == 413 and "limit" in err
+    assert status == 413 and f"max_body of {limit + 1}" in err
     status, err = raw_request(server, {**auth, "Content-Length": "9" * 40})
-    assert status == 413 and "limit" in err
+    assert status == 413 and "max_body" in err
     # ... and when the client does send it all (the answer still arrives, though the body is never read)
-    assert_json_error(post(server, GOOD + bytes(limit)), 413, f"> limit {limit}")
+    assert_json_error(post(server, GOOD + bytes(limit)), 413, "max_body")
     status, err = raw_request(server, auth)  # no Content-Length
     assert status == 411 and "Content-Length" in err
-    for bad in ("abc", "-5", "+5", "1e3", "0x10", "²"):  # bottle.request.content_length would 500 on these
+    for bad in ("abc", "-5", "+5", "1e3", "0x10", "²"):  # waitress refuses them; bottle would 500
         status, err = raw_request(server, {**auth, "Content-Length": bad})
         assert status == 400 and "Content-Length" in err, (bad, status, err)
     status, _ = raw_request(server, {"Content-Length": str(limit + 1)})  # no token: not even that is said
     assert status == 401
+    status, err = raw_request(server, {**auth, "X-Pad": "a" * MAX_HEAD})  # waitress's max_request_header_size
+    assert status == 431 and f"max_header of {MAX_HEAD}" in err
     assert_serves(server, model)
 
 
@@ -378,8 +382,10 @@ def test_auth_paths_and_methods(server, model):
     assert_json_error(requests.get(server + "/nope", timeout=10), 404)
     assert_json_error(post(server + "/logps", GOOD), 404)  # /logps/logps
     assert_json_error(requests.get(server + "/logps", timeout=10), 405)
-    assert_json_error(requests.put(server + "/logps", data=GOOD, timeout=10), 405)
+    assert_json_error(requests.put(server + "/logps", timeout=10), 405)
     assert_json_error(requests.delete(server + "/logps", timeout=10), 405)
+    # a body without the token is refused as soon as the head is in, whatever its method
+    assert_json_error(requests.put(server + "/logps", data=GOOD, timeout=10), 401, "token")
     assert_json_error(requests.post(server + "/health", timeout=10), 405)
     assert_serves(server, model)
 
@@ -432,6 +438,27 @@ def raw_safetensors(header):
     return len(h).to_bytes(8, "little") + h
 
 
+def overlapping(weights):
+    """The checkpoint's header with every tensor's bytes starting at 0: each tensor overlaps the others."""
+    header = {k: {"dtype": "F32", "shape": list(v.shape), "data_offsets": [0, 4 * v.numel()]}
+              for k, v in weights.items()}
+    return raw_safetensors(header) + bytes(4 * max(v.numel() for v in weights.values()))
+
+
+def hole_after_header(path, weights):
+    """A sparse file: the checkpoint's tensors after a 1 TiB hole (which takes no disk)."""
+    header, at = {}, 2**40
+    for k, v in weights.items():
+        header[k] = {"dtype": "F32", "shape": list(v.shape), "data_offsets": [at, at + 4 * v.numel()]}
+        at += 4 * v.numel()
+    head = raw_safetensors(header)
+    with open(path, "wb") as f:
+        f.write(head)
+        for k, v in weights.items():
+            f.seek(len(head) + header[k]["data_offsets"][0])
+            f.write(v.float().numpy().tobytes())
+
+
 def bad_checkpoints(ckpts, good, outside):
     """(name, folder, status, message) for each way a /reload folder is refused. `good` is a complete checkpoint
     under `ckpts`; `outside` one outside it."""
@@ -457,6 +484,10 @@ def bad_checkpoints(ckpts, good, outside):
     config_link = variant("config_linked_out", drop=["config.json"])
     (config_link / "config.json").symlink_to(outside / "config.json")
     (ckpts / "link_inside").symlink_to(good)   # inside, but a symlink all the same
+    hole = variant("hole")
+    hole_after_header(hole / "model.safetensors", weights)
+    linked = variant("hardlink", drop=["model.safetensors"])
+    os.link(outside / "model.safetensors", linked / "model.safetensors")
     fifo = variant("fifo", drop=["model.safetensors"])
     os.mkfifo(fifo / "model.safetensors")   # opening one for reading waited for a writer
     return [
@@ -479,10 +510,18 @@ def bad_checkpoints(ckpts, good, outside):
             **weights, "model.norm.weight": torch.ones(128, dtype=torch.int32)}}), 422, "I32"),
         ("header-claims-huge-tensor", variant("huge", files={"model.safetensors": raw_safetensors(
             {"model.norm.weight": {"dtype": "F32", "shape": [2**40], "data_offsets": [0, 2**42]}})}), 422,
-         "model.norm.weight F32 [1099511627776]"),
+         "not a readable safetensors file: Error while deserializing header"),
         ("header-offsets-past-end", variant("pastend", files={"model.safetensors": raw_safetensors(
             {"model.norm.weight": {"dtype": "F32", "shape": [128], "data_offsets": [0, 512]}})}), 422,
-         "offsets"),
+         "not a readable safetensors file: Error while deserializing header"),
+        # the safetensors library's own validation: no two tensors in the same bytes, no hole before data
+        ("overlapping-offsets", variant("overlap", files={"model.safetensors": overlapping(weights)}), 422,
+         "invalid offset"),
+        ("data-after-a-huge-hole", hole, 422, "invalid offset"),
+        ("hard-link-to-outside", linked, 422, "2 hard links"),
+        ("nan-weights", variant("nan", files={"model.safetensors": {
+            **weights, "model.norm.weight": torch.full((128,), float("nan"))}}), 422,
+         "model.norm.weight holds values that are not finite"),
         ("folder-a-symlink-inside", ckpts / "link_inside", 403, "'link_inside' is a symlink"),
         ("weights-a-fifo", fifo, 422, "not a regular file"),
         ("pickle-only", variant("pickle", drop=["model.safetensors"], files={"pytorch_model.bin": b"\x80\x04."}),
@@ -688,16 +727,16 @@ def test_default_dtype(monkeypatch):
 
 
 @contextmanager
-def serve_in_thread(app):
-    """`app` served over loopback by the server class main() uses, in this process (to look inside it)."""
-    httpd = make_server("127.0.0.1", 0, app, server_class=ThreadingWSGIServer, handler_class=QuietHandler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+def serve_in_thread(app, token=None):
+    """`app` served over loopback as main() serves it (ref_server.serve), in this process (to look inside it)."""
+    server = serve(app, host="127.0.0.1", port=0, token=token, max_connections=32, max_body=2**20,
+                   header_timeout=10, body_timeout=60)
+    thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{httpd.server_port}"
+        yield f"http://127.0.0.1:{server.effective_port}"
     finally:
-        httpd.shutdown()
-        httpd.server_close()
+        server.close()
         thread.join(10)
 
 
@@ -713,7 +752,7 @@ def test_reload_builds_no_second_model(tmp_path, tiny_model):
     app = make_app(served, name="tiny", max_seqs=16, max_tokens=2000, max_body=2**20, token=TOKEN,
                    checkpoint_dir=str(tmp_path))
     models = lambda: sum(issubclass(type(o), transformers.PreTrainedModel) for o in gc.get_objects())
-    with serve_in_thread(app) as url:
+    with serve_in_thread(app, TOKEN) as url:
         gc.collect()
         before = models()
         (health,) = reload_reference(url, str(tmp_path / "step_1"), token=TOKEN, retry_for=0)
@@ -765,7 +804,6 @@ def test_client_retries_an_answer_cut_short(capsys):
     """A server killed mid-answer leaves a 200 cut short: after its status line (no headers at all), or in
     its body. Either is a failed attempt the client retries and reports, never a body it decodes. The peer
     here is a plain socket that answers so, in turn (the real server dies in that window only by chance)."""
-    import socket
     listener = socket.create_server(("127.0.0.1", 0))
     answers = [b"HTTP/1.0 200 OK\r\n",
                b"HTTP/1.0 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: 80\r\n\r\n0123"]
@@ -779,7 +817,7 @@ def test_client_retries_an_answer_cut_short(capsys):
     threading.Thread(target=serve, daemon=True).start()
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     with pytest.raises(RefServerError, match="failed after [2-6] attempts"):
-        ref_server._call("POST", url + "/logps", b"body", None, timeout=10, retry_for=1.0, backoff=0.1)
+        ref_client._call("POST", url + "/logps", b"body", None, timeout=10, retry_for=1.0, backoff=0.1)
     err = capsys.readouterr().err
     assert "(HTTP 200 cut short (0 bytes, None announced)); retrying" in err, err
     assert "ChunkedEncodingError" in err, err
@@ -801,15 +839,14 @@ def test_reload_serves_only_the_files_it_checked(tmp_path, tiny_model):
         m.save_pretrained(folder)
         fingerprints[name] = model_fingerprint(m)
     weights = ckpts / "step_1" / "model.safetensors"
-    os.link(weights, ckpts / "real")   # the real file, to swap back in
     os.symlink(outside / "model.safetensors", ckpts / "link")
     stop = threading.Event()
 
-    def swap():   # rename is atomic: the name always exists, a file or a symlink
+    def swap():   # the file and the symlink take turns under the name (renamed: the file keeps one link)
         while not stop.is_set():
-            for src in ("link", "real"):
-                os.link(ckpts / src, ckpts / "swap", follow_symlinks=False)
-                os.replace(ckpts / "swap", weights)
+            for away, back in (("real", "link"), ("link", "real")):
+                os.rename(weights, ckpts / away)
+                os.rename(ckpts / back, weights)
     proc, url, log = spawn_server(tiny_model, tmp_path / "log.txt", "--checkpoint-dir", str(ckpts),
                                   env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
     swapper = threading.Thread(target=swap, daemon=True)
@@ -832,13 +869,13 @@ def test_reload_serves_only_the_files_it_checked(tmp_path, tiny_model):
 
 
 def test_connections_before_the_token_hold_bounded_memory(tmp_path, tiny_model, model):
-    """40 connections that send 99 headers of 64 KB each and never finish: main d08f4ac read them all (100
-    headers of 64 KiB are http.server's own limits) and held ~250 MiB before any token check. Now at most
-    --max-connections are served at once (more: 503), each reading at most QuietHandler.max_head bytes
-    before its token is checked (more: 431), so the server's memory grows by a bounded amount; afterwards
-    a request with the token is answered."""
+    """40 connections that send 99 headers of 64 KB each (6 MB) and never finish: a server on http.server
+    read them all (100 headers of 64 KiB are its own limits) and held ~250 MiB before any token check. Now
+    each connection is read up to MAX_HEAD bytes (waitress's max_request_header_size; more: 431) before its
+    token is checked, and 32 more that send 16 MiB bodies without the token are refused once their head is
+    in (401), so the server's memory grows by a bounded amount; afterwards a request with the token is
+    answered."""
     import psutil
-    import socket
     proc, url, log = spawn_server(tiny_model, tmp_path / "log.txt", env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
     try:
         wait_up(proc, url, log)
@@ -846,21 +883,25 @@ def test_connections_before_the_token_hold_bounded_memory(tmp_path, tiny_model, 
         server = psutil.Process(proc.pid)
         before = server.memory_info().rss
         held = []
-        for _ in range(40):
+        for n in range(40 + 32):
             s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=60)
             held.append(s)
             try:
-                s.sendall(b"POST /logps HTTP/1.0\r\n")
-                for i in range(99):
-                    s.sendall(b"X-Pad-%d: %s\r\n" % (i, b"a" * 64000))
-            except OSError:   # refused: answered 503 or 431 and closed
+                if n < 40:
+                    s.sendall(b"POST /logps HTTP/1.0\r\n")
+                    for i in range(99):
+                        s.sendall(b"X-Pad-%d: %s\r\n" % (i, b"a" * 64000))
+                else:
+                    s.sendall(b"POST /logps HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % 2**24)
+                    s.sendall(bytes(2**24))
+            except OSError:   # refused: answered 431 or 401 and closed
                 pass
         grown = []
         for _ in range(10):   # samples while the connections are held, for the threads to read what is sent
             grown.append(server.memory_info().rss - before)
             time.sleep(0.3)
-        # default --max-connections 32, each its head, its thread and buffers: well under 1 MiB apiece
-        bound = 32 * (QuietHandler.max_head + 2**20)
+        # each connection its head and buffers: well under 1 MiB apiece
+        bound = 72 * (MAX_HEAD + 2**20)
         assert max(grown) < bound, (max(grown), bound)
         for s in held:
             s.close()
@@ -871,9 +912,9 @@ def test_connections_before_the_token_hold_bounded_memory(tmp_path, tiny_model, 
 
 
 def test_headers_must_arrive_by_a_deadline(tmp_path, tiny_model):
-    """A byte every 0.25 s kept a half-sent request open forever on main d08f4ac (the socket timeout counts
-    silence only); now the request line and headers must all arrive within --header-timeout: 408."""
-    import socket
+    """A byte every 0.25 s kept a half-sent request open forever on a server whose timeout counts silence
+    only (waitress's channel_timeout does); now the request line and headers must all arrive within
+    --header-timeout: 408."""
     proc, url, log = spawn_server(tiny_model, tmp_path / "log.txt", "--header-timeout", "2")
     try:
         wait_up(proc, url, log)
@@ -893,4 +934,95 @@ def test_headers_must_arrive_by_a_deadline(tmp_path, tiny_model):
         assert "not sent within 2s" in answer.decode()
         assert requests.get(url + "/health", timeout=10).status_code == 200
     finally:
+        stop_server(proc, log)
+
+
+# ----------------------------------------------------------------------------- waitress's bounds, and ours, on a socket
+
+def connect(url, timeout=30):
+    return socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=timeout)
+
+
+def answer_of(s):
+    """The status line and JSON error of the answer on socket `s` (read until the server closes it)."""
+    data = b""
+    while chunk := s.recv(4096):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0].decode(), json.loads(body)["error"]
+
+
+@pytest.fixture(scope="module")
+def strict_server(tiny_model, tmp_path_factory):
+    """A server with short deadlines and few connections, to reach each bound quickly."""
+    proc, url, log = spawn_server(tiny_model, tmp_path_factory.mktemp("strict") / "log.txt", "--max-connections",
+                                  "4", "--header-timeout", "2", "--body-timeout", "3",
+                                  env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
+    try:
+        yield wait_up(proc, url, log), log
+    finally:
+        stop_server(proc, log)
+
+
+def test_the_token_is_checked_as_soon_as_the_head_is_in(strict_server):
+    """A 16 MiB body without the token: the 401 comes back before a byte of the body is sent."""
+    url, _ = strict_server
+    with connect(url) as s:
+        s.sendall(b"POST /logps HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % 2**24)
+        assert answer_of(s) == ("HTTP/1.1 401 Unauthorized", "Unauthorized: missing or wrong bearer token")
+
+
+def test_a_body_must_arrive_by_a_deadline(strict_server):
+    """With the token, a body trickled a byte at a time is answered 408 at --body-timeout (3 s), not read
+    forever (waitress alone waits as long as bytes keep coming)."""
+    url, _ = strict_server
+    with connect(url) as s:
+        s.sendall(b"POST /logps HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Length: 1000\r\n\r\n"
+                  % TOKEN.encode())
+        while not select.select([s], [], [], 0.5)[0]:
+            s.sendall(b"a")
+        assert answer_of(s) == ("HTTP/1.1 408 Request Timeout", "Request Timeout: request not sent within 3s")
+
+
+def test_an_idle_connection_is_closed(strict_server):
+    """A connection that sends nothing is closed after --header-timeout: it holds no slot for long."""
+    url, _ = strict_server
+    with connect(url) as s:
+        assert s.recv(100) == b""
+
+
+def test_idle_and_trickling_clients_do_not_lock_out_a_serving_client(strict_server, model):
+    """Every slot (--max-connections 4) held: three idle connections and one trickling its head. A fifth
+    waits in the listen queue (waitress accepts no more), so the client's request is answered once the
+    deadlines free a slot, within its retry window; the trickler got its 408, the idle ones were closed."""
+    url, log = strict_server
+    idle = [connect(url) for _ in range(3)]
+    trickler = connect(url)
+    trickler.sendall(b"GET /health HTTP/1.1\r\nX: ")
+    try:
+        got = ref_logps(url, [[1, 2]], [[3]], 1.0, token=TOKEN, timeout=30, retry_for=30)
+        torch.testing.assert_close(got[0], local_logps(model, [[1, 2]], [[3]], 1.0)[0], atol=1e-5, rtol=0)
+        assert [s.recv(100) for s in idle] == [b""] * 3
+        assert answer_of(trickler)[0] == "HTTP/1.0 408 Request Timeout"
+    finally:
+        for s in idle + [trickler]:
+            s.close()
+    assert "Traceback" not in server_log(log)
+
+
+def test_the_red_teams_lockout_on_the_default_server(tmp_path, tiny_model):
+    """31 idle connections and one body trickled at a byte every 3 s held all 32 slots of the thread-per-
+    connection server: /health answered 0 times in 40 s. On the default server (waitress: an idle connection
+    holds no thread) /health is answered while they are held."""
+    proc, url, log = spawn_server(tiny_model, tmp_path / "log.txt")
+    held = []
+    try:
+        wait_up(proc, url, log)
+        held = [connect(url) for _ in range(31)] + [connect(url)]
+        held[-1].sendall(b"POST /logps HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\na")
+        answered = sum(requests.get(url + "/health", timeout=10).status_code == 200 for _ in range(5))
+        assert answered == 5
+    finally:
+        for s in held:
+            s.close()
         stop_server(proc, log)

@@ -177,25 +177,22 @@ def test_size_claims_are_checked_not_allocated(body):
 
 @pytest.fixture(scope="module")
 def live_app():
-    """A real server (the one main() runs: ThreadingWSGIServer, QuietHandler) with a token and /reload on,
+    """Real servers (as main() serves: ref_server.serve) with a token and /reload on, and without a token,
     serving the tiny model in this process."""
     import threading
-    from wsgiref.simple_server import make_server
 
     from demo.tiny_model import build_model, build_tokenizer
-    from ref_server import QuietHandler, ThreadingWSGIServer, make_app
-    app = make_app(build_model(build_tokenizer(), seed=0).eval(), name="tiny", max_seqs=16, max_tokens=2000,
-                   max_body=2**20, token="t", checkpoint_dir="/nonexistent")
-    untokened = make_app(build_model(build_tokenizer(), seed=0).eval(), name="tiny", max_seqs=16,
-                         max_tokens=2000, max_body=2**20)
-    servers = [make_server("127.0.0.1", 0, a, server_class=ThreadingWSGIServer, handler_class=QuietHandler)
-               for a in (app, untokened)]
+    from ref_server import make_app, serve
+    servers = []
+    for token in ("t", None):
+        app = make_app(build_model(build_tokenizer(), seed=0).eval(), name="tiny", max_seqs=16, max_tokens=2000,
+                       max_body=2**20, token=token, checkpoint_dir=token and "/nonexistent")
+        servers.append(serve(app, host="127.0.0.1", port=0, token=token, max_connections=32, max_body=2**20,
+                             header_timeout=10, body_timeout=60))
+        threading.Thread(target=servers[-1].run, daemon=True).start()
+    yield [f"http://127.0.0.1:{s.effective_port}" for s in servers]
     for s in servers:
-        threading.Thread(target=s.serve_forever, daemon=True).start()
-    yield [f"http://127.0.0.1:{s.server_port}" for s in servers]
-    for s in servers:
-        s.shutdown()
-        s.server_close()
+        s.close()
 
 
 @settings(max_examples=60, deadline=None, database=None)

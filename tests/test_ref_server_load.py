@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import pytest
 import torch
 
-from ref_server import compute_logps, ref_logps
+from ref_client import ref_logps
+from ref_server import compute_logps
 from test_ref_server import (env_without_token, model, server_log, spawn_server, stop_server,  # noqa: F401
                              wait_up)
 

@@ -1,0 +1,213 @@
+"""The reference server's client, as the trainer's engines call it: ref_logps (a batch's reference
+log-probs, split across servers and within each server's limits), reload_reference and
+wait_for_server. The wire format is ref_server.py's own (encode_request, decode_response), so both
+sides speak one definition of it."""
+import json
+import math
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+import torch
+
+from ref_server import WireError, decode_response, encode_request
+
+
+class RefServerError(RuntimeError):
+    """The reference server could not be reached, refused the request (`status`: its HTTP code), or
+    answered log-probs that are not finite."""
+
+    def __init__(self, msg, status=None):
+        super().__init__(msg)
+        self.status = status
+
+
+_local = threading.local()
+# url -> the server's limits from its /health, read on the first request
+_limits = {}
+
+
+def _session() -> requests.Session:
+    """This thread's Session (requests 2.34 does not document one as thread-safe), so the
+    connection to a server is kept between requests (the server closes it when idle)."""
+    if not hasattr(_local, "session"):
+        _local.session = requests.Session()
+    return _local.session
+
+
+def _error_text(r) -> str:
+    try:
+        return r.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return r.text[:200]
+
+
+def _call(method, endpoint, body=None, headers=None, *, timeout, retry_for, backoff):
+    """One request with retries: connection errors, answers cut short and 5xx are retried, sleeping
+    backoff * 1, 2, 4, ... seconds (at most 30 s each) for up to `retry_for` seconds in all, so a
+    server that restarts is waited for; each retry says so on stderr. A 4xx raises at once (the
+    request itself is wrong; 413: split the batch), and so does a read timeout (the server is alive
+    but slow: a resend would queue a second copy). urllib3's Retry is not used: it retries before
+    the body is read (a 200 cut short in its body would pass), counts attempts, not seconds, and
+    says nothing of a retry."""
+    deadline, attempt, last = time.monotonic() + retry_for, 0, None
+    while True:
+        try:
+            r = _session().request(method, endpoint, data=body, headers=headers, timeout=timeout)
+            # a server killed mid-answer can leave a 200 cut short, even before its headers
+            announced = r.headers.get("Content-Length")
+            if r.status_code == 200 and announced != str(len(r.content)):
+                last = f"HTTP 200 cut short ({len(r.content)} bytes, {announced} announced)"
+            elif r.status_code < 500:
+                break
+            else:
+                last = f"HTTP {r.status_code}: {_error_text(r)}"
+        # ConnectionError covers ConnectTimeout too
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
+            last = f"{type(e).__name__}: {e}"
+        except requests.Timeout as e:
+            raise RefServerError(f"{endpoint}: no answer within {timeout}s ({e})") from e
+        pause = min(30.0, backoff * 2 ** attempt)
+        if time.monotonic() + pause > deadline:
+            raise RefServerError(f"{endpoint} failed after {attempt + 1} attempts in "
+                                 f"{retry_for:g}s; last error: {last}")
+        # the event, not a duration, tells a reader (and the tests) that the server was away
+        print(f"ref_server client: {method} {endpoint} failed ({last}); retrying in {pause:g}s",
+              file=sys.stderr, flush=True)
+        time.sleep(pause)
+        attempt += 1
+    if r.status_code != 200:
+        raise RefServerError(f"{endpoint} answered HTTP {r.status_code}: {_error_text(r)}",
+                             r.status_code)
+    return r
+
+
+def _auth(token):
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _fits(limits, n_seqs, n_tokens):
+    # a body is 4 bytes per token id, 8 per sequence (its two lengths) and a header well under
+    # 1 KiB; a server older than the limits in /health gets the batch whole
+    return (n_seqs <= limits.get("max_seqs", math.inf)
+            and n_tokens <= limits.get("max_tokens", math.inf)
+            and 4 * n_tokens + 8 * n_seqs + 1024 <= limits.get("max_body", math.inf))
+
+
+def split_to_fit(prompts, completions, limits) -> list[range]:
+    """Consecutive index ranges, each a request within the server's limits (/health). A sequence
+    that alone exceeds them gets a range of its own, and the server's 413 says why."""
+    ranges, start, tokens = [], 0, 0
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        n = len(p) + len(c)
+        if i > start and not _fits(limits, i - start + 1, tokens + n):
+            ranges.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    return ranges + [range(start, len(prompts))]
+
+
+def even_shares(n, parts) -> list[range]:
+    """range(n) cut into `parts` consecutive ranges whose sizes differ by at most one, the first
+    ones the larger: a batch's sequences split across servers (and prompts across engines)."""
+    size, extra = divmod(n, parts)
+    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def server_urls(urls) -> list[str]:
+    """--ref-url "http://a:1,http://b:2" -> the servers' URLs, in order."""
+    return [u.strip().rstrip("/") for u in urls.split(",") if u.strip()]
+
+
+def url_error(urls) -> str | None:
+    """Why --ref-url names no server it can reach, or None."""
+    servers = server_urls(urls)
+    if bad := [u for u in servers if not u.startswith(("http://", "https://"))]:
+        return f"--ref-url {bad[0]}: a server's URL starts with http:// (e.g. http://{bad[0]})"
+    return None if servers else "--ref-url must name at least one server"
+
+
+def _on_each(fn, items):
+    """fn(item) for every item, each in a thread of its own (the servers work at once) -> the
+    results, in order; the first error raises once all are done."""
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+def ref_logps(urls, prompts, completions, temperature, *, timeout=60, retry_for=30.0, backoff=1.0,
+              token=os.environ.get("REF_SERVER_TOKEN")):
+    """Reference log-probs of each completion token -> list of float32 (len(completion),) tensors.
+
+    urls: one server, or several comma-separated: the sequences are cut into one consecutive share
+    per server (even_shares), requested in parallel and put back in order. Raises RefServerError,
+    also when a log-prob is not finite."""
+    servers = server_urls(urls)
+    parts = even_shares(len(prompts), len(servers))
+    shares = [(url, part) for url, part in zip(servers, parts) if part]
+    one = lambda share: _server_logps(share[0], prompts[share[1].start:share[1].stop],
+                                      completions[share[1].start:share[1].stop], temperature, token,
+                                      dict(timeout=timeout, retry_for=retry_for, backoff=backoff))
+    return [t for part in _on_each(one, shares) for t in part]
+
+
+def _server_logps(url, prompts, completions, temperature, token, retry):
+    """One server's share: sent in as many requests as its limits need (read from /health once per
+    URL, and again after a 413 from a server restarted with smaller ones)."""
+    headers = {"Content-Type": "application/octet-stream", **_auth(token)}
+    for attempt in range(2):
+        if url not in _limits:
+            _limits[url] = _call("GET", url + "/health", **retry).json()
+        out = []
+        try:
+            for part in split_to_fit(prompts, completions, _limits[url]):
+                ps, cs = prompts[part.start:part.stop], completions[part.start:part.stop]
+                r = _call("POST", url + "/logps", encode_request(ps, cs, temperature), headers,
+                          **retry)
+                try:
+                    out += decode_response(r.content, [len(c) for c in cs])
+                except WireError as e:
+                    raise RefServerError(f"{url}/logps answered a malformed body: {e}") from e
+            break
+        except RefServerError as e:
+            if e.status != 413 or attempt:
+                raise
+            del _limits[url]
+    if bad := [i for i, t in enumerate(out) if not torch.isfinite(t).all()]:
+        raise RefServerError(f"{url}/logps answered non-finite log-probs for sequences {bad[:10]}")
+    return out
+
+
+def reload_reference(urls, path, *, timeout=600, retry_for=30.0,
+                     token=os.environ.get("REF_SERVER_TOKEN")) -> list[dict]:
+    """Ask every server in `urls` (comma-separated), at once, to load the HF checkpoint in folder
+    `path` (on each server's file system, under its --checkpoint-dir) as the new reference -> their
+    new /health. Only a path crosses the wire, never weights."""
+    headers = {"Content-Type": "application/json", **_auth(token)}
+    reload = lambda url: _call("POST", url + "/reload", json.dumps({"path": path}), headers,
+                               timeout=timeout, retry_for=retry_for, backoff=1.0).json()
+    return _on_each(reload, server_urls(urls))
+
+
+def wait_for_server(url, timeout=120.0, interval=0.5, note=None) -> dict:
+    """Poll GET /health until it answers 200 (-> its JSON) or `timeout` seconds pass (then
+    RefServerError). `note`: said on stderr, once, if the first try fails."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            r = _session().get(url.rstrip("/") + "/health", timeout=min(5.0, timeout))
+            if r.status_code == 200:
+                return r.json()
+            last = f"HTTP {r.status_code}"
+        except requests.RequestException as e:
+            last = f"{type(e).__name__}: {e}"
+        if note:
+            print(note, file=sys.stderr, flush=True)
+            note = None
+        time.sleep(interval)
+    raise RefServerError(f"{url}/health not ready after {timeout:g}s; last error: {last}")
