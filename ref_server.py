@@ -4,25 +4,14 @@
 
 GET  /health -> {"status": "ok", "model", "vocab_size", "fingerprint", "max_seqs", "max_tokens",
                  "max_seq_len", "max_body"}: the limits let a client split a batch to fit
-POST /logps  -> body and answer in the wire format below (application/octet-stream)
+POST /logps  -> body and answer in the wire format (the four functions under "wire format", which
+                the client, ref_client.py, imports from here): a safetensors buffer of int32
+                `input_ids` (every prompt+completion, concatenated), `seq_lens` and `prompt_lens`
+                (B,), metadata {"temperature": "1.0"} -> float32 `logps` of the completion tokens
 POST /reload -> {"path": "..."}: load the weights of that HF checkpoint folder (under
                 --checkpoint-dir) into the served model; needs a token; weights never cross the wire
-
-Wire format (safetensors 0.8.0): a safetensors buffer, so only plain numbers cross the wire.
-Request: int32 `input_ids` (every sequence's prompt+completion, concatenated), int32 `seq_lens` and
-`prompt_lens` (B,), metadata {"temperature": "1.0"}. Answer: float32 `logps`, each sequence's
-completion-token log-probs concatenated. The four functions under "wire format" are all of it; the
-client (ref_client.py) imports them from here.
-
-Errors, each a JSON body {"error": "..."}: 400 malformed request or path, or a temperature below
-1e-3; 401 missing/wrong token (only with --token: a request with a body is refused as soon as its
-head is in); 403 /reload off, or a path outside --checkpoint-dir or through a symlink; 404, 405;
-408 head not in within --header-timeout, or the request within --body-timeout; 411 no
-Content-Length; 413 body over --max-body-mb, over --max-seqs sequences or --max-tokens tokens
-(split the batch), or a sequence longer than the model's context; 422 a /reload folder that is not
-a complete, finite safetensors checkpoint of the served model; 431 head over 64 KiB; 500 the
-server's own fault. A --host other than loopback needs a token (--token, $REF_SERVER_TOKEN) or
---insecure. This file imports no other file of the project: copy it alone to the reference machine.
+Every error is a 4xx/5xx with a JSON body {"error": "..."} (docs/reference-server.md lists them).
+This file imports no other file of the project: copy it alone to the reference machine.
 """
 import argparse
 import errno
@@ -48,8 +37,7 @@ from waitress.task import ErrorTask
 from waitress.utilities import Error
 
 REQUEST_KEYS = ("input_ids", "seq_lens", "prompt_lens")
-# below this, logits / T overflow float32 (1e-45 gave -inf, 1e-300 NaN); samplers treat
-# T < 1e-3 as greedy
+# below this, logits / T overflow float32 (1e-45 gave -inf, 1e-300 NaN); samplers call it greedy
 MIN_TEMPERATURE = 1e-3
 # one forward pass's bounds (--micro-batch, --max-forward-tokens): the token budget bounds memory;
 # the row limit keeps short sequences in few passes (a demo batch: 2, docs/reference-server.md)
@@ -60,14 +48,12 @@ ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "nu
 # the request line and headers, all that is read before the token is checked (a request's: < 1 KiB)
 MAX_HEAD = 2**16
 
-
 class WireError(ValueError):
     """An invalid request, /reload folder or answer; `status`: the HTTP code it is answered with."""
 
     def __init__(self, msg, status=400):
         super().__init__(msg)
         self.status = status
-
 
 # ----------------------------------------------------------------------------- wire format
 
@@ -77,7 +63,6 @@ def encode_request(prompts, completions, temperature) -> bytes:
                     "seq_lens": torch.tensor([len(s) for s in seqs], dtype=torch.int32),
                     "prompt_lens": torch.tensor([len(p) for p in prompts], dtype=torch.int32)},
                    metadata={"temperature": repr(float(temperature))})
-
 
 def _load(body: bytes) -> tuple[dict, dict]:
     """A safetensors buffer -> (tensors, metadata); any failure is the sender's: WireError."""
@@ -93,19 +78,16 @@ def _load(body: bytes) -> tuple[dict, dict]:
         raise WireError(f"not a valid safetensors body: {str(e).partition(chr(10))[0][:200]}")
     return tensors, meta or {}
 
-
 def decode_request(body, *, vocab_size, max_seqs, max_tokens, max_seq_len=None):
     """Validate a request body -> (prompts, completions, temperature). Raises WireError (400, 413).
     max_seq_len: the model's context length (None: no limit)."""
     tensors, meta = _load(body)
     if extra := set(tensors) - set(REQUEST_KEYS):
         raise WireError(f"unexpected tensors {sorted(extra)}; expected {list(REQUEST_KEYS)}")
-    for name in REQUEST_KEYS:
-        t = tensors.get(name)
-        if t is None:
-            raise WireError(f"missing tensor {name!r}")
-        if t.dtype != torch.int32 or t.dim() != 1:
-            raise WireError(f"{name} must be a 1-D int32 tensor, got {t.dtype} {list(t.shape)}")
+    for name, t in ((k, tensors.get(k)) for k in REQUEST_KEYS):
+        if t is None or t.dtype != torch.int32 or t.dim() != 1:
+            raise WireError(f"missing tensor {name!r}" if t is None else
+                            f"{name} must be a 1-D int32 tensor, got {t.dtype} {list(t.shape)}")
     ids, seq_lens, prompt_lens = (tensors[k].long() for k in REQUEST_KEYS)
     B = len(seq_lens)
     if B == 0:
@@ -139,11 +121,9 @@ def decode_request(body, *, vocab_size, max_seqs, max_tokens, max_seq_len=None):
     return ([s[:p] for s, p in zip(seqs, prompt_lens.tolist())],
             [s[p:] for s, p in zip(seqs, prompt_lens.tolist())], temperature)
 
-
 def encode_response(logps: list[torch.Tensor]) -> bytes:
     flat = [t.detach().float().flatten().cpu() for t in logps]
     return st_save({"logps": torch.cat(flat).contiguous() if flat else torch.zeros(0)})
-
 
 def decode_response(body: bytes, completion_lens: list[int]) -> list[torch.Tensor]:
     """Answer body -> one float32 tensor of log-probs per completion. Raises WireError."""
@@ -155,7 +135,6 @@ def decode_response(body: bytes, completion_lens: list[int]) -> list[torch.Tenso
         raise WireError(f"answer has {len(t)} log-probs, expected {sum(completion_lens)}")
     return list(t.split(list(completion_lens)))
 
-
 # ----------------------------------------------------------------------------- model side
 
 def missing_folder(model) -> str | None:
@@ -165,7 +144,6 @@ def missing_folder(model) -> str | None:
     if local and not os.path.isdir(os.path.expanduser(model)):
         return f"--model {model}: no such folder"
     return None
-
 
 def exposure_error(host, token, insecure) -> str | None:
     """Why serving on `host` is refused, or None. A host other than loopback ('localhost',
@@ -179,7 +157,6 @@ def exposure_error(host, token, insecure) -> str | None:
     return (f"--host {host} is reachable from other machines, but no token is set: anyone who "
             "can reach the port could use the server. Set REF_SERVER_TOKEN (or --token), bind "
             "127.0.0.1, or pass --insecure.")
-
 
 def model_fingerprint(model, samples=64) -> str:
     """Short hash of the architecture (ARCH_KEYS) and of every weight: per tensor, in name order,
@@ -196,14 +173,12 @@ def model_fingerprint(model, samples=64) -> str:
     h.update(torch.cat(picked).float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
-
 def default_dtype(device) -> str:
     """bfloat16 on a GPU that computes in it natively (Ampere and later), else float32:
     is_bf16_supported() alone (torch 2.13) counts slow emulation too. The trainer picks the same."""
     cuda = str(device).startswith("cuda")
     native = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
     return "bfloat16" if native else "float32"
-
 
 def load_model(path, device="cpu", dtype="auto"):
     # here, so importing this module stays light
@@ -213,7 +188,6 @@ def load_model(path, device="cpu", dtype="auto"):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
                                                  use_safetensors=True)
     return model.to(device).eval().requires_grad_(False)
-
 
 def pad(prompts, completions):
     """Left-pad the prompts and right-pad the completions, so every completion starts at column P
@@ -225,7 +199,6 @@ def pad(prompts, completions):
         input_ids[i, P - len(p):P + len(c)] = torch.tensor(p + c)
         attention_mask[i, P - len(p):P + len(c)] = 1
     return input_ids, attention_mask
-
 
 @torch.no_grad()
 def forward_logps(model, input_ids, attention_mask, n_completion, temperature, chunk=512):
@@ -245,7 +218,6 @@ def forward_logps(model, input_ids, attention_mask, n_completion, temperature, c
         out.append(logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1))
     return torch.cat(out).view(targets.shape)
 
-
 def micro_batches(lengths, max_seqs, max_tokens) -> list[list[int]]:
     """(prompt_len, completion_len) per sequence -> index lists, one per forward pass, sorted by
     length (little padding), each at most `max_seqs` rows and `max_tokens` padded tokens. A longer
@@ -260,7 +232,6 @@ def micro_batches(lengths, max_seqs, max_tokens) -> list[list[int]]:
         P, T = p, t
     return batches + [cur]
 
-
 def compute_logps(model, prompts, completions, temperature, micro_batch=MICRO_BATCH,
                   max_forward_tokens=MAX_FORWARD_TOKENS):
     """Each completion's float32 log-probs, in input order, a bounded micro-batch at a time."""
@@ -274,7 +245,6 @@ def compute_logps(model, prompts, completions, temperature, micro_batch=MICRO_BA
             out[i] = lp[row, :len(completions[i])].float().cpu()
     return out
 
-
 # ----------------------------------------------------------------------------- /reload's checks
 
 # config.json fields in which a checkpoint may differ from the served config, as none changes what
@@ -284,7 +254,6 @@ CONFIG_KEYS_IGNORED = ("transformers_version", "_name_or_path", "architectures",
                        "torch_dtype", "use_cache")
 # NONBLOCK: a FIFO never blocks
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
 
 def _open_folder(path, checkpoint_dir) -> tuple[str, int]:
     """(absolute path, descriptor) of folder `path`, opened one component at a time from
@@ -313,7 +282,6 @@ def _open_folder(path, checkpoint_dir) -> tuple[str, int]:
                 os.close(parent)
     return folder, fd
 
-
 def _open_file(folder_fd, name, fds, max_bytes=2**62) -> int:
     """Descriptor (appended to `fds`) of regular file `name` in the folder: no symlink, one link
     only (a hard link may be a file outside the folder), at most `max_bytes` long. Raises
@@ -336,7 +304,6 @@ def _open_file(folder_fd, name, fds, max_bytes=2**62) -> int:
                         "--checkpoint-dir; copy the file instead", 422)
     return fds[-1]
 
-
 def _read_json(folder_fd, name, fds, max_bytes) -> dict:
     fd = _open_file(folder_fd, name, fds, max_bytes)
     try:
@@ -347,7 +314,6 @@ def _read_json(folder_fd, name, fds, max_bytes) -> dict:
     if not isinstance(data, dict):
         raise WireError(f"{name} is not a JSON object", 422)
     return data
-
 
 def check_config(config, served_config):
     """A checkpoint's config.json (a dict), read by the served config's class, must equal the
@@ -369,7 +335,6 @@ def check_config(config, served_config):
         raise WireError("config.json describes another architecture than the served model's: "
                         f"{str(other)[:300]}", 422)
 
-
 def _checked_shard(fd, shard, state) -> safe_open:
     """Shard `shard` on descriptor `fd`: its header read and validated by safetensors 0.8.0 (offsets
     within the file, no overlap, no hole), its names, shapes and float dtypes checked against the
@@ -387,7 +352,6 @@ def _checked_shard(fd, shard, state) -> safe_open:
         raise WireError(f"{shard} is not a checkpoint of the served architecture: unexpected "
                         f"{unexpected[:5]}, other shapes or float dtypes {wrong[:3]}", 422)
     return f
-
 
 def read_checkpoint(path, checkpoint_dir, model) -> tuple[str, dict]:
     """Checkpoint folder `path` under `checkpoint_dir` -> (its absolute path, a complete state dict
@@ -447,14 +411,12 @@ def read_checkpoint(path, checkpoint_dir, model) -> tuple[str, dict]:
         for fd in fds:
             os.close(fd)
 
-
 # ----------------------------------------------------------------------------- the server
 
 def authorized(header, token) -> bool:
     """header: Authorization as WSGI and waitress hold it (bytes as latin-1; bottle's get_header
     re-decodes it as UTF-8 and answers non-UTF-8 bytes with a 500)."""
     return not token or hmac.compare_digest(header.encode("latin-1"), f"Bearer {token}".encode())
-
 
 def make_app(served, *, name, max_seqs, max_tokens, max_body, micro_batch=MICRO_BATCH,
              max_forward_tokens=MAX_FORWARD_TOKENS, token=None, checkpoint_dir=None):
@@ -469,8 +431,7 @@ def make_app(served, *, name, max_seqs, max_tokens, max_body, micro_batch=MICRO_
               "fingerprint": model_fingerprint(served), "max_tokens": max_tokens,
               "max_seq_len": max_seq_len, "max_body": max_body}
 
-    # every error, bottle's own 404/405/500 included, as one line of JSON (bounded: some quote
-    # the request)
+    # every error, bottle's own 404/405/500 too, as one line of JSON (bounded: some quote requests)
     def json_error(res):
         bottle.response.content_type = "application/json"
         return json.dumps({"error": str(res.body)[:500]})
@@ -526,14 +487,12 @@ def make_app(served, *, name, max_seqs, max_tokens, max_body, micro_batch=MICRO_
 
     return app
 
-
 class Refused(Error):
     """An answer waitress sends for us: a waitress.utilities.Error with any status."""
 
     def __init__(self, code, body):
         super().__init__(body)
         self.code, self.reason = code, http.HTTPStatus(code).phrase
-
 
 class JsonErrorTask(ErrorTask):
     """waitress's own errors (400, 413, 431, ...) and ours as one line of JSON, as the app's."""
@@ -545,7 +504,6 @@ class JsonErrorTask(ErrorTask):
         self.response_headers.append(("Content-Type", "application/json"))
         self.set_close_on_finish()
         self.write(body)
-
 
 def serve(app, *, host, port, token, max_connections, max_body, header_timeout, body_timeout):
     """`app` on waitress 3.0.2 -> its server (.run(); .effective_port). One thread reads every
@@ -574,9 +532,8 @@ def serve(app, *, host, port, token, max_connections, max_body, header_timeout, 
     class Server(TcpWSGIServer):
         channel_class = Channel
 
-        # every second (cleanup_interval), on the reading thread, in place of waitress's own
-        # (channel_timeout counts silence only): an idle connection is closed, a late request
-        # answered 408
+        # every second (cleanup_interval), on the reading thread, in place of waitress's own (whose
+        # channel_timeout counts silence only): idle connections closed, late requests answered 408
         def maintenance(self, now):
             for channel in list(self.active_channels.values()):
                 req = channel.request
@@ -604,7 +561,6 @@ def serve(app, *, host, port, token, max_connections, max_body, header_timeout, 
                   max_request_header_size=MAX_HEAD, max_request_body_size=max_body + 1,
                   cleanup_interval=1)
 
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = p.add_argument
@@ -624,8 +580,7 @@ def main(argv=None):
     add("--token", default=os.environ.get("REF_SERVER_TOKEN"),
         help="require 'Authorization: Bearer TOKEN' (default: $REF_SERVER_TOKEN, else none)")
     add("--checkpoint-dir", help="allow POST /reload of checkpoints under this folder (+ a token)")
-    add("--max-connections", type=int, default=100,
-        help="most connections open at once; more wait until one closes")
+    add("--max-connections", type=int, default=100, help="most connections open (more wait)")
     add("--header-timeout", type=float, default=10.0,
         help="seconds to send the request line and headers (else 408), and to stay idle")
     add("--body-timeout", type=float, default=60.0, help="seconds to send a request (else 408)")
@@ -644,10 +599,9 @@ def main(argv=None):
                    checkpoint_dir=a.checkpoint_dir)
     server = serve(app, host=a.host, port=a.port, token=a.token, max_connections=a.max_connections,
                    max_body=max_body, header_timeout=a.header_timeout, body_timeout=a.body_timeout)
-    print(f"ref_server: {a.model} on {a.device}, listening on "
-          f"http://{a.host}:{server.effective_port}", flush=True)
+    url = f"http://{a.host}:{server.effective_port}"
+    print(f"ref_server: {a.model} on {a.device}, listening on {url}", flush=True)
     server.run()
-
 
 if __name__ == "__main__":
     main()

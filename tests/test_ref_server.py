@@ -5,6 +5,7 @@ import http.client
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -1026,3 +1027,50 @@ def test_the_red_teams_lockout_on_the_default_server(tmp_path, tiny_model):
         for s in held:
             s.close()
         stop_server(proc, log)
+
+
+# ----------------------------------------------------------------------------- what the trainer says about its server
+
+def test_the_trainer_says_what_it_waits_for_and_what_to_do(tmp_path, tiny_model):
+    """Through the deepspeed launcher, side by side: --ref-url naming no server says at once what it waits for
+    and how long, then after --ref-wait one line saying what to do; a server holding another model is one line
+    naming both; a --ref-url without http:// is one line naming the flag, at start. No traceback."""
+    from demo.tiny_model import build_model, build_tokenizer, save
+    other = save(build_model(build_tokenizer(), seed=1), build_tokenizer(), str(tmp_path / "other_model"))
+    server, other_url, server_log_file = spawn_server(other, tmp_path / "server.log")
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cases = {"nothing": ["--ref-url", "http://127.0.0.1:9", "--ref-wait", "5"],
+             "other": ["--ref-url", other_url, "--ref-wait", "120"],
+             "scheme": ["--ref-url", "127.0.0.1:59875"]}
+    runs = {}
+    try:
+        wait_up(server, other_url, server_log_file)
+        for port, (name, flags) in enumerate(cases.items(), 29740):
+            os.makedirs(tmp_path / name)
+            log = open(tmp_path / name / "run.log", "w")
+            runs[name] = subprocess.Popen(
+                [deepspeed, "--num_gpus", "1", "--master_port", str(port), "grpo_train.py", "--model", tiny_model,
+                 "--out-dir", str(tmp_path / name), "--beta", "0.04", "--prompts-per-step", "4", "--group-size",
+                 "4", "--max-new-tokens", "8", "--max-prompt-len", "16", "--eval-size", "8", *flags],
+                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        out = {}
+        for name, proc in runs.items():
+            assert proc.wait(timeout=600) != 0
+            out[name] = (tmp_path / name / "run.log").read_text()
+            assert "Traceback" not in out[name] and "[rank" not in out[name], out[name][-3000:]
+        lines = out["nothing"].splitlines()
+        waiting = lines.index("grpo_train.py: waiting up to 5s (--ref-wait) for the reference server at "
+                              "http://127.0.0.1:9")
+        assert lines.index(f"grpo_train.py: http://127.0.0.1:9/health not ready after 5s (--ref-wait): start the "
+                           f"reference server (python ref_server.py --model {tiny_model} --port 9), or train "
+                           "without one (--beta 0)") > waiting
+        assert (f"grpo_train.py: {other_url} serves another model than --model {tiny_model}: it serves {other}; "
+                f"restart it (python ref_server.py --model {tiny_model} --port {other_url.rsplit(':', 1)[1]})"
+                in out["other"].splitlines())
+        assert ("grpo_train.py: --ref-url 127.0.0.1:59875: a server's URL starts with http:// (e.g. "
+                "http://127.0.0.1:59875)" in out["scheme"].splitlines())
+    finally:
+        for proc in runs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        stop_server(server, server_log_file)
