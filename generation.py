@@ -418,9 +418,8 @@ def merge_batches(parts):
 
 
 def check_reference(urls, wait_s, policy, refreshed, model_name):
-    """Wait for every reference server; each must serve the model we start from, or, on a run resumed after
-    a reference refresh, is told to load that checkpoint again. A server that does not answer, or serves
-    another model, ends the run with one line saying what to do."""
+    """Wait for every reference server; each must serve the model we start from (else, or if none answers,
+    one line says what to do), or, on a run resumed after a reference refresh, loads that checkpoint again."""
     fingerprint = None if refreshed else model_fingerprint(base_model_view(policy))
     for url in server_urls(urls):
         start = f"python ref_server.py --model {model_name} --port {urlsplit(url).port}"

@@ -1,7 +1,6 @@
-"""The reference server's client, as the trainer's engines call it: ref_logps (a batch's reference
-log-probs, split across servers and within each server's limits), reload_reference and
-wait_for_server. The wire format is ref_server.py's own (encode_request, decode_response), so both
-sides speak one definition of it."""
+"""The reference server's client, as the trainer's engines call it: ref_logps (split across servers
+and within each one's limits), reload_reference, wait_for_server. The wire format is ref_server.py's
+own (encode_request, decode_response): both sides use one definition of it."""
 import json
 import math
 import os
@@ -13,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 import torch
 
-from ref_server import WireError, decode_response, encode_request
+from ref_server import decode_response, encode_request
 
 
 class RefServerError(RuntimeError):
@@ -51,8 +50,7 @@ def _call(method, endpoint, body=None, headers=None, *, timeout, retry_for, back
     server that restarts is waited for; each retry says so on stderr. A 4xx raises at once (the
     request itself is wrong; 413: split the batch), and so does a read timeout (the server is alive
     but slow: a resend would queue a second copy). urllib3's Retry is not used: it retries before
-    the body is read (a 200 cut short in its body would pass), counts attempts, not seconds, and
-    says nothing of a retry."""
+    the body is read (a 200 cut short passes), counts attempts, not seconds, and says nothing."""
     deadline, attempt, last = time.monotonic() + retry_for, 0, None
     while True:
         try:
@@ -169,10 +167,7 @@ def _server_logps(url, prompts, completions, temperature, token, retry):
                 ps, cs = prompts[part.start:part.stop], completions[part.start:part.stop]
                 r = _call("POST", url + "/logps", encode_request(ps, cs, temperature), headers,
                           **retry)
-                try:
-                    out += decode_response(r.content, [len(c) for c in cs])
-                except WireError as e:
-                    raise RefServerError(f"{url}/logps answered a malformed body: {e}") from e
+                out += decode_response(r.content, [len(c) for c in cs])
             break
         except RefServerError as e:
             if e.status != 413 or attempt:

@@ -141,9 +141,8 @@ def missing_folder(model) -> str | None:
     """Why --model cannot be loaded, or None: it is meant as a local folder (a hub id is "org/name";
     anything else with a slash, or starting with . / ~, is a path) and there is none."""
     local = model.startswith((".", "/", "~")) or model.count("/") > 1
-    if local and not os.path.isdir(os.path.expanduser(model)):
-        return f"--model {model}: no such folder"
-    return None
+    return f"--model {model}: no such folder" if local and not os.path.isdir(
+        os.path.expanduser(model)) else None
 
 def exposure_error(host, token, insecure) -> str | None:
     """Why serving on `host` is refused, or None. A host other than loopback ('localhost',
@@ -152,11 +151,10 @@ def exposure_error(host, token, insecure) -> str | None:
         loopback = host.lower() == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = False
-    if token or insecure or loopback:
-        return None
-    return (f"--host {host} is reachable from other machines, but no token is set: anyone who "
-            "can reach the port could use the server. Set REF_SERVER_TOKEN (or --token), bind "
-            "127.0.0.1, or pass --insecure.")
+    return None if token or insecure or loopback else (
+        f"--host {host} is reachable from other machines, but no token is set: anyone who can "
+        "reach the port could use the server. Set REF_SERVER_TOKEN (or --token), bind 127.0.0.1, "
+        "or pass --insecure.")
 
 def model_fingerprint(model, samples=64) -> str:
     """Short hash of the architecture (ARCH_KEYS) and of every weight: per tensor, in name order,
@@ -354,13 +352,11 @@ def _checked_shard(fd, shard, state) -> safe_open:
     return f
 
 def read_checkpoint(path, checkpoint_dir, model) -> tuple[str, dict]:
-    """Checkpoint folder `path` under `checkpoint_dir` -> (its absolute path, a complete state dict
-    for `model`, on the CPU in its dtypes). Each file is opened once, not through a symlink, and
-    checked on its descriptor; config.json must compute what the served config does; each shard's
-    header is checked before any data is read (so one copy of the weights is allocated, and only
-    then); a weight that is not finite is refused. Of tied weights (a tied lm_head) one is enough,
-    as save_pretrained writes one; with both, the first in the model's order is used, as
-    transformers 5.19's tie_weights does. Raises WireError: 400, 403 or 422."""
+    """Checkpoint folder `path` under `checkpoint_dir` -> (its absolute path, a complete, finite
+    state dict for `model`, on the CPU in its dtypes). Each file is opened once and checked on its
+    descriptor; every check passes before any tensor data is read. Of tied weights one is enough (as
+    save_pretrained writes); with both, the first in the model's order wins, as transformers 5.19's
+    tie_weights does. Raises WireError: 400, 403 or 422."""
     state = model.state_dict()
     folder, folder_fd = _open_folder(path, checkpoint_dir)
     fds = [folder_fd]
@@ -487,12 +483,11 @@ def make_app(served, *, name, max_seqs, max_tokens, max_body, micro_batch=MICRO_
 
     return app
 
-class Refused(Error):
-    """An answer waitress sends for us: a waitress.utilities.Error with any status."""
-
-    def __init__(self, code, body):
-        super().__init__(body)
-        self.code, self.reason = code, http.HTTPStatus(code).phrase
+def refused(code, body) -> Error:
+    """An answer waitress sends for us (its own errors are Error subclasses)."""
+    e = Error(body)
+    e.code, e.reason = code, http.HTTPStatus(code).phrase
+    return e
 
 class JsonErrorTask(ErrorTask):
     """waitress's own errors (400, 413, 431, ...) and ours as one line of JSON, as the app's."""
@@ -507,10 +502,9 @@ class JsonErrorTask(ErrorTask):
 
 def serve(app, *, host, port, token, max_connections, max_body, header_timeout, body_timeout):
     """`app` on waitress 3.0.2 -> its server (.run(); .effective_port). One thread reads every
-    connection, so an idle or slow one holds a few KiB, not a thread. waitress bounds the
-    connections (more wait in the listen queue until one closes), the head (431) and body (413) in
-    bytes; this adds, on its channel internals, the token checked as soon as the head is in (a
-    body without it is never read), deadlines for head and body, and one for idle connections."""
+    connection, so an idle one holds a few KiB, not a thread. waitress bounds the connections
+    (more wait in the listen queue) and the head (431) and body (413) in bytes; on its channel
+    internals this adds the token checked at the head and deadlines for head, body and idling."""
 
     class Parser(HTTPRequestParser):
         def __init__(self, adj):
@@ -523,7 +517,7 @@ def serve(app, *, host, port, token, max_connections, max_body, header_timeout, 
             n = super().received(data)
             if (self.headers_finished and (self.content_length or self.chunked)
                     and not authorized(self.headers.get("AUTHORIZATION", ""), token)):
-                self.error, self.completed = Refused(401, "missing or wrong bearer token"), True
+                self.error, self.completed = refused(401, "missing or wrong bearer token"), True
             return n
 
     class Channel(HTTPChannel):
@@ -548,7 +542,7 @@ def serve(app, *, host, port, token, max_connections, max_body, header_timeout, 
                 # as waitress does for its own 431: an answer needs a request line
                 if not req.headers_finished:
                     req.parse_header(b"GET / HTTP/1.0\r\n")
-                req.error = Refused(408, f"{what} not sent within {limit:g}s")
+                req.error = refused(408, f"{what} not sent within {limit:g}s")
                 # as HTTPChannel.received does with a request read whole
                 with channel.requests_lock:
                     req.completed, channel.request = True, None
@@ -573,19 +567,16 @@ def main(argv=None):
     add("--max-seqs", type=int, default=1024, help="most sequences per request (else 413)")
     add("--max-body-mb", type=float, default=16.0, help="largest request body, MiB (else 413)")
     add("--micro-batch", type=int, default=MICRO_BATCH, help="most sequences per forward pass")
-    add("--max-forward-tokens", type=int, default=MAX_FORWARD_TOKENS,
-        help="most padded tokens per forward pass (a longer sequence goes alone): bounds memory")
+    add("--max-forward-tokens", type=int, default=MAX_FORWARD_TOKENS, help="bounds a pass's memory")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-        help="weights dtype; auto: bfloat16 on a GPU that computes in it natively, else float32")
+        help="auto: bfloat16 on a GPU that computes in it natively, else float32")
     add("--token", default=os.environ.get("REF_SERVER_TOKEN"),
         help="require 'Authorization: Bearer TOKEN' (default: $REF_SERVER_TOKEN, else none)")
     add("--checkpoint-dir", help="allow POST /reload of checkpoints under this folder (+ a token)")
     add("--max-connections", type=int, default=100, help="most connections open (more wait)")
-    add("--header-timeout", type=float, default=10.0,
-        help="seconds to send the request line and headers (else 408), and to stay idle")
+    add("--header-timeout", type=float, default=10.0, help="seconds to send a head, or stay idle")
     add("--body-timeout", type=float, default=60.0, help="seconds to send a request (else 408)")
-    add("--insecure", action="store_true",
-        help="allow a non-loopback --host without a token (only on a network you trust)")
+    add("--insecure", action="store_true", help="allow a non-loopback --host without a token")
     a = p.parse_args(argv)
     # exits with status 2, before loading anything or binding the port
     if err := exposure_error(a.host, a.token, a.insecure) or missing_folder(a.model):
