@@ -30,8 +30,7 @@ _limits = {}
 
 
 def _session() -> requests.Session:
-    """This thread's Session (requests 2.34 does not document one as thread-safe), so the
-    connection to a server is kept between requests (the server closes it when idle)."""
+    """This thread's Session (requests 2.34: not documented thread-safe): it keeps connections."""
     if not hasattr(_local, "session"):
         _local.session = requests.Session()
     return _local.session
