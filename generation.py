@@ -53,6 +53,7 @@ import torch.multiprocessing as mp
 
 from lora import base_model_view, vllm_weights
 from ref_server import even_shares, model_fingerprint, reload_reference, server_urls, wait_for_server
+from run_setup import stop_with, training_gpus
 from rewards import format_reward, parse_reward_spec, score
 from tasks import shuffled_forever
 
@@ -381,21 +382,26 @@ class GenerationProcess:
         step's), steps and ref_sync_every (what the run will take, and when a reference reload comes between
         two requests), threads (each engine's torch threads: a fresh process would take every core, and on CPU
         fight the trainer for them: the demo's steps took 1.7x as long)."""
+        from weight_transfer import transfer_backend
         devices = gen_devices or [gen_device]
         cpu = not torch.cuda.is_available()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        # an engine on a training GPU (one-GPU mode) starts at the first push, once DeepSpeed holds its memory:
+        # vLLM sizes its KV cache from the free memory it measures across its start (gpu_worker.py,
+        # determine_available_memory), so the trainer allocating meanwhile would be counted as vLLM's
+        self.shared = not cpu and bool(set(devices) & set(training_gpus(world)))
+        gen_mem = gen_mem if gen_mem is not None else 0.3 if self.shared else 0.9
         # CPU: torch.compile gains nothing for small models and costs 20 s at start (enforce_eager)
         engine_kw = dict(model=model, dtype=vllm_dtype(next(policy.parameters()).dtype), enforce_eager=cpu,
                          max_model_len=max_prompt_len + max_new_tokens, gpu_memory_utilization=gen_mem,
                          logprobs_mode="processed_logprobs")
-        from weight_transfer import transfer_backend
-        world = dist.get_world_size() if dist.is_initialized() else 1
         self.backend = transfer_backend(devices, world)
         engine_kw["weight_transfer_config"] = {"backend": self.backend}
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT)
         ctx = mp.get_context("spawn")
         positions = engine_positions(state["data_pos"], len(devices))
         eval_shares = even_shares(len(eval_set), len(devices))
-        self.controls, self.results, self.answers, self.procs = [], [], [], []
+        self.controls, self.results, self.answers, self.procs, self.starts = [], [], [], [], []
         for i, (device, share) in enumerate(zip(devices, even_shares(prompts_per_step, len(devices)))):
             job = {"index": i, "engines": len(devices), "store_port": self.store.port,
                    "seed": seed, "pos": positions[i], "per_step": prompts_per_step, "share": list(share),
@@ -410,9 +416,11 @@ class GenerationProcess:
                 self.results[-1], self.answers[-1])))
             # the child sees exactly its own GPU, whatever this process has initialised; set in the
             # environment it is spawned with, not inside it, where an import may already have used CUDA
-            with _environment({"CUDA_VISIBLE_DEVICES": str(device), "VLLM_CPU_KVCACHE_SPACE": str(gen_kv_gb),
-                               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)}):
-                self.procs[-1].start()
+            self.starts.append((self.procs[-1], {
+                "CUDA_VISIBLE_DEVICES": str(device), "VLLM_CPU_KVCACHE_SPACE": str(gen_kv_gb),
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)}))
+        if not self.shared:
+            self._start_engines()
         self.devices = devices
         # the engines ask the reference servers for log-probs: checked while vLLM starts
         if beta > 0 and not eval_only:
@@ -428,11 +436,18 @@ class GenerationProcess:
         # the engines' parts of its evaluation until all have answered
         self.opt_steps_at, self.step_at, self.eval_parts, self.evaluated = {}, {}, {}, -1
 
+    def _start_engines(self):
+        for proc, env in self.starts:
+            with _environment(env):
+                proc.start()
+        self.starts = []
+
     def check_alive(self):
         for i, proc in enumerate(self.procs):
             if not proc.is_alive():
-                raise RuntimeError(f"the generation process died (exit code {proc.exitcode}): engine {i}, "
-                                   f"device {self.devices[i]}; its traceback is above")
+                # one line: what died and where (its own traceback, if it had one, is above)
+                stop_with(f"the generation process died (exit code {proc.exitcode}): engine {i}, device "
+                          f"{self.devices[i]}; its traceback, if it had one, is above")
         if self.launcher is not None and not _alive(self.launcher):
             raise SystemExit(f"the launcher (pid {self.launcher.pid}) is gone: stopping the run")
 
@@ -456,14 +471,15 @@ class GenerationProcess:
         try:
             while not thread.join(0.05):
                 self.check_alive()
-        except BaseException:
+        except BaseException as error:
             if self.transfer is not None:
                 self.transfer.shutdown()
                 self.transfer = None
             # gloo can see the connection close before the process is reaped: name the death if it was one
-            for proc in self.procs:
-                proc.join(timeout=5 / len(self.procs))
-            self.check_alive()
+            if not isinstance(error, SystemExit):
+                for proc in self.procs:
+                    proc.join(timeout=5 / len(self.procs))
+                self.check_alive()
             raise
         return thread.value
 
@@ -472,6 +488,7 @@ class GenerationProcess:
         (every engine checks them), watching all the while that the engines live."""
         from weight_transfer import EngineClient, open_transfer
         model = engine.module
+        self._start_engines()
         if self.transfer is None:   # the engines join once vLLM is up (their start overlaps DeepSpeed's)
             self.client = EngineClient(self.controls, self.answers)
             self.transfer = self._watched(open_transfer, self.backend, self.client,
@@ -558,7 +575,8 @@ class GenerationProcess:
     def stop(self):
         """The engines shut their side of the weight group down, then rank 0 its own."""
         self._send({"kind": "stop"})
-        for proc in self.procs:
+        # an engine on a training GPU is not started before the first push
+        for proc in [p for p in self.procs if p.pid is not None]:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.terminate()

@@ -54,6 +54,17 @@ def device_list(text):
     return devices
 
 
+def training_gpus(world):
+    """The GPUs (as the machine counts them) of the `world` training ranks of this node: local rank i on the
+    i-th visible one."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [int(d) for d in visible.split(",")[:world]] if visible else list(range(world))
+
+
+# the most of a training GPU an engine sharing it may take (--gen-mem): the trainer keeps the rest
+SHARED_GEN_MEM = 0.5
+
+
 def add_system_args(p):
     """The flags that steer the machinery rather than the algorithm (grpo_train.py has those); and a bad
     flag's error in one line (argparse prints its whole usage first: 50 lines here)."""
@@ -76,7 +87,9 @@ def add_system_args(p):
                    help="GPU index for vLLM, as the machine counts them; the training GPU: one-GPU mode")
     g.add_argument("--gen-devices", type=device_list, default=None,
                    help="several vLLM engines, one per GPU: 0,1,... (replaces --gen-device)")
-    g.add_argument("--gen-mem", type=float, default=0.9, help="vLLM gpu_memory_utilization")
+    g.add_argument("--gen-mem", type=float, default=None,
+                   help=f"vLLM gpu_memory_utilization (default 0.9 on a GPU of its own; 0.3 on a training GPU, "
+                        f"where at most {SHARED_GEN_MEM})")
     g.add_argument("--gen-kv-gb", type=int, default=1, help="vLLM KV cache size in GiB on CPU")
     g.add_argument("--ref-url", default="http://127.0.0.1:59875",
                    help="reference server (ref_server.py); several: comma-separated, the batch split across them")
@@ -133,7 +146,7 @@ def unlink_shm_buffer():
 def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_batch, steps, num_iterations,
                  max_gen_rounds, max_skips, temperature, tis_cap, overlong_buffer, max_new_tokens,
                  ref_sync_every, beta, max_staleness, keep_checkpoints, eval_size, ds_config, gen_device,
-                 gen_devices, ref_url, lora_rank, lora_alpha, **_):
+                 gen_devices, ref_url, lora_rank, lora_alpha, gen_mem, **_):
     """Exits with one message naming every flag that is wrong, before anything is loaded or started;
     if none is, rank 0 prints the run in one line: the model, where training and vLLM run, the reference."""
     try:
@@ -142,6 +155,7 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
     except ValueError as e:
         bad_rewards = f"--rewards: {e}"
     bad_model = missing_folder(model)
+    shared = torch.cuda.is_available() and set(gen_devices or [gen_device]) & set(training_gpus(world))
     problems = [msg for bad, msg in [
         (group_size < 2, "--group-size must be >= 2: advantages compare the completions of one prompt"),
         (prompts_per_step * group_size < world,
@@ -159,6 +173,10 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         (gen_devices and prompts_per_step < len(gen_devices),
          "--prompts-per-step must be >= the number of --gen-devices: each engine samples a share"),
         (not server_urls(ref_url), "--ref-url must name at least one server"),
+        (shared and (gen_mem or 0) > SHARED_GEN_MEM,
+         f"--gen-mem {gen_mem}: a vLLM engine on a training GPU may take at most {SHARED_GEN_MEM} of it (the "
+         f"trainer needs the rest)"),
+        (gen_mem is not None and not 0 < gen_mem <= 1, "--gen-mem must be in (0, 1]"),
         (bad_model, bad_model),
         (not os.path.isfile(ds_config), f"--ds-config {ds_config}: no such file"),
         (bad_rewards, bad_rewards),
@@ -209,13 +227,22 @@ def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_ta
     return model, tok
 
 
-def build_engine(model, ds_config_path, lr, micro_batch):
-    """-> the DeepSpeed ZeRO-2 engine around `model`."""
+def deepspeed_config(ds_config_path, micro_batch, bf16, world):
+    """--ds-config's file with the run's settings."""
     with open(ds_config_path) as f:
         ds_config = json.load(f)
     # gradient_accumulation_steps stays 1: micro-batches per step vary, so the loop marks the boundary itself
-    bf16 = next(model.parameters()).dtype == torch.bfloat16
     ds_config.update({"train_micro_batch_size_per_gpu": micro_batch, "bf16": {"enabled": bf16}})
+    # ZeRO-2 reduces gradients during the backward where there is a reduction to hide (2+ ranks); on one rank
+    # it would only add its buffers. A value in the file wins
+    ds_config.setdefault("zero_optimization", {}).setdefault("overlap_comm", world > 1)
+    return ds_config
+
+
+def build_engine(model, ds_config_path, lr, micro_batch):
+    """-> the DeepSpeed ZeRO-2 engine around `model`."""
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
+    ds_config = deepspeed_config(ds_config_path, micro_batch, bf16, dist.get_world_size())
     if "optimizer" in ds_config:   # e.g. ds_config_offload.json: DeepSpeed's CPU Adam, for optimizer offload
         ds_config["optimizer"].setdefault("params", {})["lr"] = lr
         optimizer = None

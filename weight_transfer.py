@@ -18,7 +18,6 @@ The engines are separate single-worker LLMs in child processes, so the client be
 VLLMWeightSyncClient protocol) sends each call on an engine's queue and waits for its answer.
 """
 import datetime
-import os
 import socket
 import threading
 from dataclasses import dataclass
@@ -32,6 +31,8 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactory,
                                                       WeightTransferTrainerFactory)
 
+from run_setup import training_gpus
+
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 # gloo's buckets: one collective per bucket (~0.4 ms however small on CPU), one bucket held at a time
 BUCKET_BYTES = 256 * 2**20
@@ -41,10 +42,7 @@ def transfer_backend(gen_devices, world):
     """The backend of a run whose engines are on gen_devices, `world` training ranks (rank 0 pushes)."""
     if not torch.cuda.is_available():
         return "gloo"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    training = [int(d) for d in visible.split(",")[:world]] if visible else list(range(world))
-    shared = set(training) & set(gen_devices)
-    if not shared:
+    if not set(training_gpus(world)) & set(gen_devices):
         return "nccl"
     return "ipc" if world == 1 and len(gen_devices) == 1 else "gloo"
 
@@ -328,3 +326,38 @@ def apply_transfer(llm, msg, never_pushed):
                                f"in part: {', '.join(missing)}")
         llm.finish_weight_update(weight_version=str(msg["version"]))
         llm.reset_prefix_cache()
+
+
+class ThisProcess:
+    """vLLM's weight-sync client for an LLM in this process (tests, benches): each call made as an engine
+    makes it (apply_transfer), rank 0's side on the same process."""
+
+    def __init__(self, llm, skipped):
+        self.llm, self.skipped, self.version = llm, skipped, -1
+
+    def init_weight_transfer_engine(self, info):
+        apply_transfer(self.llm, {"method": "init", "info": info}, self.skipped)
+
+    def start_weight_update(self):
+        apply_transfer(self.llm, {"method": "start"}, self.skipped)
+
+    def update_weights(self, info):
+        apply_transfer(self.llm, {"method": "update", "info": info}, self.skipped)
+
+    def finish_weight_update(self, weight_version=None):
+        self.version += 1
+        apply_transfer(self.llm, {"method": "finish", "version": self.version}, self.skipped)
+
+
+def push_in_process(llm, skipped):
+    """-> push((name, tensor) pairs) into `llm`, an LLM of this process built after register_gloo() with
+    weight_transfer_config={"backend": "gloo"}; push.client.version is the last version pushed."""
+    sending = []
+    client = ThisProcess(llm, skipped)
+    transfer = open_transfer("gloo", client, lambda: list(sending), 1)
+
+    def push(pairs):
+        sending[:] = list(pairs)
+        transfer.send_weights()
+    push.client = client
+    return push
