@@ -33,6 +33,7 @@ collective has crossed it (vLLM's NCCL init runs a warm-up all_reduce; the gloo 
 NCCL's lazily built communicator can never block the first push outside these checks. (Not yet run on
 GPUs: see docs/gpu.md.)
 """
+import argparse
 import atexit
 import datetime
 import logging
@@ -52,8 +53,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lora import base_model_view, vllm_weights
-from ref_server import even_shares, model_fingerprint, reload_reference, server_urls, wait_for_server
-from run_setup import stop_with, training_gpus
+# the reference server's client: every name this file takes from it, in one place
+from ref_server import (RefServerError, even_shares, model_fingerprint, reload_reference, server_urls,
+                        wait_for_server)
+from run_setup import reference_device, start_reference_server, stop_with, training_gpus
 from rewards import format_reward, parse_reward_spec, score
 from tasks import shuffled_forever
 
@@ -340,7 +343,7 @@ def check_reference(urls, wait_s, policy, refreshed, model_name):
         if fingerprint and served != fingerprint:
             raise RuntimeError(f"{url} serves another model than --model {model_name}")
     if refreshed:
-        reload_reference(urls, refreshed)
+        reload_reference(urls, refreshed, token=os.environ.get("REF_SERVER_TOKEN"))
 
 
 def _alive(proc):
@@ -373,7 +376,8 @@ class GenerationProcess:
 
     def __init__(self, rollout, reference, train_set, eval_set, state, policy, *, model, gen_device, gen_devices,
                  gen_mem, gen_kv_gb, threads, seed, max_prompt_len, max_new_tokens, prompts_per_step, rewards,
-                 sync_tol, max_staleness, beta, ref_url, ref_wait, eval_only, steps, ref_sync_every, **_):
+                 sync_tol, max_staleness, beta, ref_url, ref_device, ref_wait, eval_only, steps, ref_sync_every,
+                 out_dir, **_):
         """rollout(llm, next_prompts, n_prompts) -> an engine's batch; reference(seqs) -> their reference
         log-probs, asked for (with --beta > 0) on the engine's scoring thread; state: the run's (data
         position, the reference's checkpoint); policy: the model the trainer starts from (its dtype is vLLM's; the
@@ -396,6 +400,15 @@ class GenerationProcess:
                          max_model_len=max_prompt_len + max_new_tokens, gpu_memory_utilization=gen_mem,
                          logprobs_mode="processed_logprobs")
         self.backend = transfer_backend(devices, world)
+        # --beta > 0 without --ref-url: this run's own reference server, started before the engines (they
+        # take its token from the environment they are spawned with); their reference calls
+        # (grpo_train.reference) read args.ref_url, which names it from here on
+        self.ref_server = None
+        if beta > 0 and ref_url is None and not eval_only:
+            device = reference_device(ref_device, devices)
+            self.ref_server, ref_url = start_reference_server(model, device, out_dir, threads)
+            run_args = argparse.Namespace(**{**vars(reference.keywords["args"]), "ref_url": ref_url})
+            reference = partial(reference.func, args=run_args)
         engine_kw["weight_transfer_config"] = {"backend": self.backend}
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT)
         ctx = mp.get_context("spawn")
@@ -422,11 +435,13 @@ class GenerationProcess:
         if not self.shared:
             self._start_engines()
         self.devices = devices
-        # the engines ask the reference servers for log-probs: checked while vLLM starts
-        if beta > 0 and not eval_only:
-            check_reference(ref_url, ref_wait, policy, state["ref"], model)
         parent = psutil.Process().parent()   # deepspeed: runner -> launch.py -> this rank
         self.launcher = parent.parent() if parent else None
+        # the engines ask the reference servers for log-probs: checked while vLLM starts
+        if beta > 0 and not eval_only:
+            if self.ref_server is not None:
+                self._wait_for_own_server(ref_url, ref_wait)
+            check_reference(ref_url, ref_wait, policy, state["ref"], model)
         # the probe: the start of a training prompt, whose log-probs both sides compare after a push
         self.probe_ids = train_set[0]["prompt_ids"][:64]
         self.transfer, self.ahead, self.requested, self.version, self.evals = None, max_staleness, 0, -1, []
@@ -436,6 +451,17 @@ class GenerationProcess:
         # the engines' parts of its evaluation until all have answered
         self.opt_steps_at, self.step_at, self.eval_parts, self.evaluated = {}, {}, {}, -1
 
+    def _wait_for_own_server(self, url, wait_s):
+        """Until the reference server this run started answers, noticing meanwhile if it (or an engine) died."""
+        deadline = time.time() + wait_s
+        while True:
+            try:
+                return wait_for_server(url, timeout=2)
+            except RefServerError:
+                self.check_alive()
+                if time.time() > deadline:
+                    raise
+
     def _start_engines(self):
         for proc, env in self.starts:
             with _environment(env):
@@ -443,11 +469,15 @@ class GenerationProcess:
         self.starts = []
 
     def check_alive(self):
+        # (an engine on a training GPU has no process before the first push)
         for i, proc in enumerate(self.procs):
-            if not proc.is_alive():
+            if proc.pid is not None and not proc.is_alive():
                 # one line: what died and where (its own traceback, if it had one, is above)
                 stop_with(f"the generation process died (exit code {proc.exitcode}): engine {i}, device "
                           f"{self.devices[i]}; its traceback, if it had one, is above")
+        if self.ref_server is not None and self.ref_server.poll() is not None:
+            stop_with(f"the reference server this run started died (exit code {self.ref_server.returncode}); "
+                      f"its output is above")
         if self.launcher is not None and not _alive(self.launcher):
             raise SystemExit(f"the launcher (pid {self.launcher.pid}) is gone: stopping the run")
 
@@ -583,3 +613,6 @@ class GenerationProcess:
                 proc.join(timeout=30)
         if self.transfer is not None:
             self.transfer.shutdown()
+        if self.ref_server is not None:
+            self.ref_server.terminate()
+            self.ref_server.wait(timeout=30)

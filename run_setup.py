@@ -3,13 +3,17 @@ checks, the model and DeepSpeed engine, the prompts, and how the ranks share a b
 it; read that first. A user's mistake (a flag, the data) stops the run with one line (stop_with); a
 traceback means a bug."""
 import contextlib
+import ctypes
 import datetime
 import gc
 import json
 import math
 import os
 import random
+import secrets
 import signal
+import socket
+import subprocess
 import sys
 import time
 
@@ -91,8 +95,12 @@ def add_system_args(p):
                    help=f"vLLM gpu_memory_utilization (default 0.9 on a GPU of its own; 0.3 on a training GPU, "
                         f"where at most {SHARED_GEN_MEM})")
     g.add_argument("--gen-kv-gb", type=int, default=1, help="vLLM KV cache size in GiB on CPU")
-    g.add_argument("--ref-url", default="http://127.0.0.1:59875",
-                   help="reference server (ref_server.py); several: comma-separated, the batch split across them")
+    g.add_argument("--ref-url", default=None,
+                   help="reference servers started by hand (ref_server.py), comma-separated, the batch split "
+                        "across them; default: rank 0 starts one itself (--ref-device)")
+    g.add_argument("--ref-device", default=None,
+                   help="where the reference server rank 0 starts runs: a GPU index or cpu (default: cpu without "
+                        "GPUs, else the first vLLM engine's GPU)")
     g.add_argument("--ref-wait", type=float, default=300, help="seconds to wait for the reference server")
     g.add_argument("--sync-every", type=int, default=1, help="push weights to vLLM every N steps")
     g.add_argument("--sync-tol", type=float, default=0.1,
@@ -114,6 +122,34 @@ def add_system_args(p):
                    help="checkpoints kept on disk, newest first (0: all); the reference's is kept too")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
     g.add_argument("--tensorboard", action="store_true", help="also log to tensorboard in --out-dir")
+
+
+def reference_device(ref_device, gen_devices):
+    """--ref-device -> "cpu" or a GPU index (as the machine counts them), its default applied."""
+    if ref_device is None:
+        return "cpu" if not torch.cuda.is_available() else str(gen_devices[0])
+    return ref_device
+
+
+def start_reference_server(model, device, checkpoint_dir, threads):
+    """Rank 0's own reference server (ref_server.py, run as a child process, as a user would run it): on
+    loopback, a port free now, a token made for it (in its environment, never on its command line, where
+    `ps` shows it; the engines, spawned after, read it from theirs), allowed to reload checkpoints of
+    `checkpoint_dir` (--ref-sync-every) -> (the process, its URL). It dies with rank 0, even by SIGKILL
+    (PR_SET_PDEATHSIG); GenerationProcess notices if it dies first."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["REF_SERVER_TOKEN"] = secrets.token_hex(16)
+    gpu = device != "cpu"
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": device} if gpu else {})}
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ref_server.py"),
+           "--model", model, "--device", "cuda:0" if gpu else "cpu", "--port", str(port),
+           "--threads", str(threads), "--checkpoint-dir", os.path.abspath(checkpoint_dir)]
+    # Linux's parent-death signal: a SIGKILLed rank 0 takes its server with it
+    die_with_parent = lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def init_distributed(timeout_minutes, threads):
@@ -146,7 +182,7 @@ def unlink_shm_buffer():
 def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_batch, steps, num_iterations,
                  max_gen_rounds, max_skips, temperature, tis_cap, overlong_buffer, max_new_tokens,
                  ref_sync_every, beta, max_staleness, keep_checkpoints, eval_size, ds_config, gen_device,
-                 gen_devices, ref_url, lora_rank, lora_alpha, gen_mem, **_):
+                 gen_devices, ref_url, ref_device, lora_rank, lora_alpha, gen_mem, **_):
     """Exits with one message naming every flag that is wrong, before anything is loaded or started;
     if none is, rank 0 prints the run in one line: the model, where training and vLLM run, the reference."""
     try:
@@ -172,7 +208,9 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         (ref_sync_every and beta == 0, "--ref-sync-every needs a reference model (--beta > 0)"),
         (gen_devices and prompts_per_step < len(gen_devices),
          "--prompts-per-step must be >= the number of --gen-devices: each engine samples a share"),
-        (not server_urls(ref_url), "--ref-url must name at least one server"),
+        (ref_url is not None and not server_urls(ref_url), "--ref-url must name at least one server"),
+        (ref_device not in (None, "cpu") and not ref_device.isdigit(),
+         f"--ref-device {ref_device}: a GPU index (0, 1, ...) or cpu"),
         (shared and (gen_mem or 0) > SHARED_GEN_MEM,
          f"--gen-mem {gen_mem}: a vLLM engine on a training GPU may take at most {SHARED_GEN_MEM} of it (the "
          f"trainer needs the rest)"),
@@ -185,10 +223,11 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         stop_with("; ".join(problems))
     if first_rank():
         on = "GPU" if torch.cuda.is_available() else "CPU"
-        engines, servers = gen_devices or [gen_device], server_urls(ref_url)
+        engines, servers = gen_devices or [gen_device], server_urls(ref_url or "")
         where = f"GPU {','.join(map(str, engines))}" if on == "GPU" else on
-        reference = (f"reference server{'s' * (len(servers) > 1)} {', '.join(servers)} (--beta {beta})"
-                     if beta > 0 else "no reference (--beta 0)")
+        started = f"reference server started by rank 0 on {reference_device(ref_device, engines)}"
+        reference = ("no reference (--beta 0)" if beta == 0 else f"{started} (--beta {beta})" if not servers
+                     else f"reference server{'s' * (len(servers) > 1)} {', '.join(servers)} (--beta {beta})")
         print(f"grpo_train.py: model {model}; {world} training rank{'s' * (world > 1)} on {on} (DeepSpeed, "
               f"{ds_config}); {len(engines)} vLLM engine{'s' * (len(engines) > 1)} on {where}; {reference}",
               flush=True)
