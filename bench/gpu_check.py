@@ -6,9 +6,9 @@
    tokens, micro-batch 4, beta 0.04, lr 1e-6, a checkpoint at the end; 100 held-out prompts, not 500) on a
    randomly initialised model of --shape (Qwen2.5-0.5B's unless given; no download), one launch as the
    recipe's (rank 0 starts the vLLM engine and the reference server; every push through vLLM's
-   weight-transfer API: NCCL with 3+ GPUs, CUDA IPC on one), then checks on the trainer's metrics.jsonl: every step's `sync/logp_diff` (vLLM's probe
-   log-probs against the trainer's after the weight push) is at most --sync-tol, every loss and gradient norm
-   is finite, at least one step trained, and the saved weights differ from the starting ones. (At lr 1e-6 a
+   weight-transfer API: NCCL with 3+ GPUs, CUDA IPC on one), then checks on the trainer's metrics.jsonl:
+   every step's `sync/logp_diff` (vLLM's probe log-probs against the trainer's after the weight push) is at
+   most --sync-tol, every loss and gradient norm is finite, at least one step trained, and the saved weights differ from the starting ones. (At lr 1e-6 a
    step moves the weights too little for an engine left with the old ones to fail the probe:
    tests/test_vllm.py shows that a stale engine fails.) Then `gpu_check phases`: the step's time/* split, the
    push's share of it, the engine's times and its sampled tokens/s inside the run.
@@ -17,8 +17,9 @@
     python bench/gpu_check.py --shape qwen2.5-1.5b --steps 50    # the README recipe's shape at 1.5B
     python bench/gpu_check.py --tiny     # CPU, tiny shapes, 3 steps (tests/test_bench.py)
 
-GPUs: with 3 or more, GPU 0 generates, GPU 1 serves the reference model and the rest train (the recipe's
-layout); with fewer, everything shares GPU 0 (--gen-mem 0.3 leaves room for the other two).
+GPUs: with 3 or more, GPU 0 generates, GPU 1 holds the reference model and the rest train (the recipe's
+layout); with fewer, everything shares GPU 0 (--gen-mem 0.3 leaves room for the other two; the push goes
+by CUDA IPC).
 
 The task is countdown (generated offline; prompts through the chat template). A random model never earns a
 task reward, so every group would have equal rewards and no step would train; instead its generation config
