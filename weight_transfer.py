@@ -35,9 +35,8 @@ from run_setup import training_gpus
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 # gloo's buckets: one collective per bucket (~0.4 ms however small on CPU), one held at a time on each
-# side. Small enough for glibc's malloc to reuse the memory freed by the last one (its mmap threshold grows
-# to 32 MiB): 256 MiB buckets, mapped afresh and page-faulted each time, made a 104M-parameter push 1.27x
-# as long as the previous 16 MiB path (bench/weight_sync.py)
+# side. Bigger ones did not help on CPU: with 256 MiB a 104M-parameter push took 1.27x the previous path's
+# time, with 16 MiB 1.15x (bench/weight_sync.py, one run each, on busy cores)
 BUCKET_BYTES = 16 * 2**20
 
 
