@@ -207,7 +207,8 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
 
     from weight_transfer import apply_transfer, register_gloo
     index, engines = job["index"], job["engines"]
-    check_parent = partial(exit_if_orphaned, os.getppid(), f"generation engine {index}")
+    # the trainer's pid as it gave it: one that died while this process was still importing must be seen
+    check_parent = partial(exit_if_orphaned, job["trainer"], f"generation engine {index}")
     watch_parent(check_parent)
     register_gloo()
     skipped = never_pushed(engine_kw["model"])
@@ -416,7 +417,7 @@ class GenerationProcess:
         eval_shares = even_shares(len(eval_set), len(devices))
         self.controls, self.results, self.answers, self.procs, self.starts = [], [], [], [], []
         for i, (device, share) in enumerate(zip(devices, even_shares(prompts_per_step, len(devices)))):
-            job = {"index": i, "engines": len(devices), "store_port": self.store.port,
+            job = {"index": i, "engines": len(devices), "store_port": self.store.port, "trainer": os.getpid(),
                    "seed": seed, "pos": positions[i], "per_step": prompts_per_step, "share": list(share),
                    "max_new_tokens": max_new_tokens, "reward_spec": parse_reward_spec(rewards),
                    "sync_tol": sync_tol, "ref_url": ref_url if beta > 0 else None, "ref_wait": ref_wait,
