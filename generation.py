@@ -53,10 +53,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lora import base_model_view, vllm_weights
+from placement import reference_device, start_reference_server, training_gpus
 # the reference server's client: every name this file takes from it, in one place
 from ref_server import (RefServerError, even_shares, model_fingerprint, reload_reference, server_urls,
                         wait_for_server)
-from run_setup import reference_device, start_reference_server, stop_with, training_gpus
 from rewards import format_reward, parse_reward_spec, score
 from tasks import shuffled_forever
 
@@ -474,11 +474,11 @@ class GenerationProcess:
         for i, proc in enumerate(self.procs):
             if proc.pid is not None and not proc.is_alive():
                 # one line: what died and where (its own traceback, if it had one, is above)
-                stop_with(f"the generation process died (exit code {proc.exitcode}): engine {i}, device "
-                          f"{self.devices[i]}; its traceback, if it had one, is above")
+                raise SystemExit(f"grpo_train.py: the generation process died (exit code {proc.exitcode}): "
+                                 f"engine {i}, device {self.devices[i]}; its traceback, if it had one, is above")
         if self.ref_server is not None and self.ref_server.poll() is not None:
-            stop_with(f"the reference server this run started died (exit code {self.ref_server.returncode}); "
-                      f"its output is above")
+            raise SystemExit(f"grpo_train.py: the reference server this run started died (exit code "
+                             f"{self.ref_server.returncode}); its output is above")
         if self.launcher is not None and not _alive(self.launcher):
             raise SystemExit(f"the launcher (pid {self.launcher.pid}) is gone: stopping the run")
 

@@ -3,17 +3,13 @@ checks, the model and DeepSpeed engine, the prompts, and how the ranks share a b
 it; read that first. A user's mistake (a flag, the data) stops the run with one line (stop_with); a
 traceback means a bug."""
 import contextlib
-import ctypes
 import datetime
 import gc
 import json
 import math
 import os
 import random
-import secrets
 import signal
-import socket
-import subprocess
 import sys
 import time
 
@@ -23,6 +19,7 @@ import torch.distributed as dist
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from placement import SHARED_GEN_MEM, reference_device, training_gpus
 from rewards import parse_reward_spec
 from ref_server import default_dtype, missing_folder, server_urls
 from tasks import DataError, drop_long_prompts, load_task
@@ -56,17 +53,6 @@ def device_list(text):
     if len(set(devices)) != len(devices) or min(devices) < 0:
         raise ValueError(text)
     return devices
-
-
-def training_gpus(world):
-    """The GPUs (as the machine counts them) of the `world` training ranks of this node: local rank i on the
-    i-th visible one."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return [int(d) for d in visible.split(",")[:world]] if visible else list(range(world))
-
-
-# the most of a training GPU an engine sharing it may take (--gen-mem): the trainer keeps the rest
-SHARED_GEN_MEM = 0.5
 
 
 def add_system_args(p):
@@ -122,34 +108,6 @@ def add_system_args(p):
                    help="checkpoints kept on disk, newest first (0: all); the reference's is kept too")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
     g.add_argument("--tensorboard", action="store_true", help="also log to tensorboard in --out-dir")
-
-
-def reference_device(ref_device, gen_devices):
-    """--ref-device -> "cpu" or a GPU index (as the machine counts them), its default applied."""
-    if ref_device is None:
-        return "cpu" if not torch.cuda.is_available() else str(gen_devices[0])
-    return ref_device
-
-
-def start_reference_server(model, device, checkpoint_dir, threads):
-    """Rank 0's own reference server (ref_server.py, run as a child process, as a user would run it): on
-    loopback, a port free now, a token made for it (in its environment, never on its command line, where
-    `ps` shows it; the engines, spawned after, read it from theirs), allowed to reload checkpoints of
-    `checkpoint_dir` (--ref-sync-every) -> (the process, its URL). It dies with rank 0, even by SIGKILL
-    (PR_SET_PDEATHSIG); GenerationProcess notices if it dies first."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["REF_SERVER_TOKEN"] = secrets.token_hex(16)
-    gpu = device != "cpu"
-    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": device} if gpu else {})}
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ref_server.py"),
-           "--model", model, "--device", "cuda:0" if gpu else "cpu", "--port", str(port),
-           "--threads", str(threads), "--checkpoint-dir", os.path.abspath(checkpoint_dir)]
-    # Linux's parent-death signal: a SIGKILLed rank 0 takes its server with it
-    die_with_parent = lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
-    return proc, f"http://127.0.0.1:{port}"
 
 
 def init_distributed(timeout_minutes, threads):

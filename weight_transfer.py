@@ -18,7 +18,6 @@ The engines are separate single-worker LLMs in child processes, so the client be
 VLLMWeightSyncClient protocol) sends each call on an engine's queue and waits for its answer.
 """
 import datetime
-import socket
 import threading
 from dataclasses import dataclass
 from typing import ClassVar
@@ -31,7 +30,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactory,
                                                       WeightTransferTrainerFactory)
 
-from run_setup import training_gpus
+from placement import free_port, training_gpus
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 # gloo's buckets: one collective per bucket (~0.4 ms however small on CPU), one held at a time on each
@@ -47,13 +46,6 @@ def transfer_backend(gen_devices, world):
     if not set(training_gpus(world)) & set(gen_devices):
         return "nccl"
     return "ipc" if world == 1 and len(gen_devices) == 1 else "gloo"
-
-
-def free_port():
-    """A loopback port free now, for a rendezvous whose master takes it by number (vLLM's NCCL's)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def buckets(weights, limit):

@@ -201,7 +201,8 @@ def _trainer_that_stalls_mid_push(marker):
     first bucket, and waits to be killed."""
     import torch
     import torch.multiprocessing as mp
-    from weight_transfer import free_port, gloo_group
+    from placement import free_port
+    from weight_transfer import gloo_group
     port = free_port()
     engine = mp.get_context("spawn").Process(target=_engine_receiving, args=(port, os.getpid(), marker))
     engine.start()
