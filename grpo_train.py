@@ -1,5 +1,4 @@
 """GRPO in one file: vLLM samples, a server holds the reference model, DeepSpeed ZeRO-2 trains.
-    python ref_server.py --model runs/demo/model --device cpu &
     deepspeed --num_gpus 1 grpo_train.py --model runs/demo/model --task demo --rewards demo
 
 The choices of one step (docs/variants.md: the flags that change them):

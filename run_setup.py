@@ -19,6 +19,7 @@ import torch.distributed as dist
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from placement import SHARED_GEN_MEM, reference_device, training_gpus
 from rewards import parse_reward_spec
 from ref_client import server_urls, url_error
 from ref_server import default_dtype, missing_folder
@@ -77,10 +78,16 @@ def add_system_args(p):
                    help="GPU index for vLLM, as the machine counts them; the training GPU: one-GPU mode")
     g.add_argument("--gen-devices", type=device_list, default=None,
                    help="several vLLM engines, one per GPU: 0,1,... (replaces --gen-device)")
-    g.add_argument("--gen-mem", type=float, default=0.9, help="vLLM gpu_memory_utilization")
+    g.add_argument("--gen-mem", type=float, default=None,
+                   help=f"vLLM gpu_memory_utilization (default 0.9 on a GPU of its own; 0.3 on a training GPU, "
+                        f"where at most {SHARED_GEN_MEM})")
     g.add_argument("--gen-kv-gb", type=int, default=1, help="vLLM KV cache size in GiB on CPU")
-    g.add_argument("--ref-url", default="http://127.0.0.1:59875",
-                   help="reference server (ref_server.py); several: comma-separated, the batch split across them")
+    g.add_argument("--ref-url", default=None,
+                   help="reference servers started by hand (ref_server.py), comma-separated, the batch split "
+                        "across them; default: rank 0 starts one itself (--ref-device)")
+    g.add_argument("--ref-device", default=None,
+                   help="where the reference server rank 0 starts runs: a GPU index or cpu (default: cpu without "
+                        "GPUs, else the first vLLM engine's GPU)")
     g.add_argument("--ref-wait", type=float, default=300, help="seconds to wait for the reference server")
     g.add_argument("--sync-every", type=int, default=1, help="push weights to vLLM every N steps")
     g.add_argument("--sync-tol", type=float, default=0.1,
@@ -134,7 +141,7 @@ def unlink_shm_buffer():
 def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_batch, steps, num_iterations,
                  max_gen_rounds, max_skips, temperature, tis_cap, overlong_buffer, max_new_tokens,
                  ref_sync_every, beta, max_staleness, keep_checkpoints, eval_size, ds_config, gen_device,
-                 gen_devices, ref_url, lora_rank, lora_alpha, **_):
+                 gen_devices, ref_url, ref_device, lora_rank, lora_alpha, gen_mem, **_):
     """Exits with one message naming every flag that is wrong, before anything is loaded or started;
     if none is, rank 0 prints the run in one line: the model, where training and vLLM run, the reference."""
     try:
@@ -142,7 +149,8 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         bad_rewards = None
     except ValueError as e:
         bad_rewards = f"--rewards: {e}"
-    bad_model, bad_url = missing_folder(model), url_error(ref_url)
+    bad_model, bad_url = missing_folder(model), ref_url is not None and url_error(ref_url)
+    shared = torch.cuda.is_available() and set(gen_devices or [gen_device]) & set(training_gpus(world))
     problems = [msg for bad, msg in [
         (group_size < 2, "--group-size must be >= 2: advantages compare the completions of one prompt"),
         (prompts_per_step * group_size < world,
@@ -160,6 +168,12 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         (gen_devices and prompts_per_step < len(gen_devices),
          "--prompts-per-step must be >= the number of --gen-devices: each engine samples a share"),
         (bad_url, bad_url),
+        (ref_device not in (None, "cpu") and not ref_device.isdigit(),
+         f"--ref-device {ref_device}: a GPU index (0, 1, ...) or cpu"),
+        (shared and (gen_mem or 0) > SHARED_GEN_MEM,
+         f"--gen-mem {gen_mem}: a vLLM engine on a training GPU may take at most {SHARED_GEN_MEM} of it (the "
+         f"trainer needs the rest)"),
+        (gen_mem is not None and not 0 < gen_mem <= 1, "--gen-mem must be in (0, 1]"),
         (bad_model, bad_model),
         (not os.path.isfile(ds_config), f"--ds-config {ds_config}: no such file"),
         (bad_rewards, bad_rewards),
@@ -168,10 +182,11 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         stop_with("; ".join(problems))
     if first_rank():
         on = "GPU" if torch.cuda.is_available() else "CPU"
-        engines, servers = gen_devices or [gen_device], server_urls(ref_url)
+        engines, servers = gen_devices or [gen_device], server_urls(ref_url or "")
         where = f"GPU {','.join(map(str, engines))}" if on == "GPU" else on
-        reference = (f"reference server{'s' * (len(servers) > 1)} {', '.join(servers)} (--beta {beta})"
-                     if beta > 0 else "no reference (--beta 0)")
+        started = f"reference server started by rank 0 on {reference_device(ref_device, engines)}"
+        reference = ("no reference (--beta 0)" if beta == 0 else f"{started} (--beta {beta})" if not servers
+                     else f"reference server{'s' * (len(servers) > 1)} {', '.join(servers)} (--beta {beta})")
         print(f"grpo_train.py: model {model}; {world} training rank{'s' * (world > 1)} on {on} (DeepSpeed, "
               f"{ds_config}); {len(engines)} vLLM engine{'s' * (len(engines) > 1)} on {where}; {reference}",
               flush=True)
@@ -210,13 +225,22 @@ def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_ta
     return model, tok
 
 
-def build_engine(model, ds_config_path, lr, micro_batch):
-    """-> the DeepSpeed ZeRO-2 engine around `model`."""
+def deepspeed_config(ds_config_path, micro_batch, bf16, world):
+    """--ds-config's file with the run's settings."""
     with open(ds_config_path) as f:
         ds_config = json.load(f)
     # gradient_accumulation_steps stays 1: micro-batches per step vary, so the loop marks the boundary itself
-    bf16 = next(model.parameters()).dtype == torch.bfloat16
     ds_config.update({"train_micro_batch_size_per_gpu": micro_batch, "bf16": {"enabled": bf16}})
+    # ZeRO-2 reduces gradients during the backward where there is a reduction to hide (2+ ranks); on one rank
+    # it would only add its buffers. A value in the file wins
+    ds_config.setdefault("zero_optimization", {}).setdefault("overlap_comm", world > 1)
+    return ds_config
+
+
+def build_engine(model, ds_config_path, lr, micro_batch):
+    """-> the DeepSpeed ZeRO-2 engine around `model`."""
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
+    ds_config = deepspeed_config(ds_config_path, micro_batch, bf16, dist.get_world_size())
     if "optimizer" in ds_config:   # e.g. ds_config_offload.json: DeepSpeed's CPU Adam, for optimizer offload
         ds_config["optimizer"].setdefault("params", {})["lr"] = lr
         optimizer = None

@@ -1,14 +1,14 @@
-"""What a lent GPU machine should prove, in one command (the aim: under 10 minutes on one H100-class GPU):
+"""What a GPU machine should prove, in one command (the aim: under 10 minutes on one H100-class GPU):
 
 1. bench/gpu_bench.py at the model's shape (vLLM sampling standalone and as the generation process runs
    it, and the ZeRO-2 training step: tokens/s, MFU, peak memory);
 2. --steps (20) GRPO steps of the GPU recipe's shape (docs/gpu.md: 32 prompts x 8 completions, 512 + 512
    tokens, micro-batch 4, beta 0.04, lr 1e-6, a checkpoint at the end; 100 held-out prompts, not 500) on a
-   randomly initialised model of --shape (Qwen2.5-0.5B's unless given; no download), with ref_server.py and
-   the trainer started as the recipe starts them (the trainer through the `deepspeed` launcher, the server
-   with a token), then checks on the trainer's metrics.jsonl: every step's `sync/logp_diff` (vLLM's probe
-   log-probs against the trainer's after the weight push) is at most --sync-tol, every loss and gradient norm
-   is finite, at least one step trained, and the saved weights differ from the starting ones. (At lr 1e-6 a
+   randomly initialised model of --shape (Qwen2.5-0.5B's unless given; no download), one launch as the
+   recipe's (rank 0 starts the vLLM engine and the reference server; every push through vLLM's
+   weight-transfer API: NCCL with 3+ GPUs, CUDA IPC on one), then checks on the trainer's metrics.jsonl:
+   every step's `sync/logp_diff` (vLLM's probe log-probs against the trainer's after the weight push) is at
+   most --sync-tol, every loss and gradient norm is finite, at least one step trained, and the saved weights differ from the starting ones. (At lr 1e-6 a
    step moves the weights too little for an engine left with the old ones to fail the probe:
    tests/test_vllm.py shows that a stale engine fails.) Then `gpu_check phases`: the step's time/* split, the
    push's share of it, the engine's times and its sampled tokens/s inside the run.
@@ -17,8 +17,9 @@
     python bench/gpu_check.py --shape qwen2.5-1.5b --steps 50    # the README recipe's shape at 1.5B
     python bench/gpu_check.py --tiny     # CPU, tiny shapes, 3 steps (tests/test_bench.py)
 
-GPUs: with 3 or more, GPU 0 generates, GPU 1 serves the reference model and the rest train (the recipe's
-layout); with fewer, everything shares GPU 0 (--gen-mem 0.3 leaves room for the other two).
+GPUs: with 3 or more, GPU 0 generates, GPU 1 holds the reference model and the rest train (the recipe's
+layout); with fewer, everything shares GPU 0 (--gen-mem 0.3 leaves room for the other two; the push goes
+by CUDA IPC).
 
 The task is countdown (generated offline; prompts through the chat template). A random model never earns a
 task reward, so every group would have equal rewards and no step would train; instead its generation config
@@ -30,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import secrets
 import shutil
 import subprocess
 import sys
@@ -67,52 +67,37 @@ def layout(gpus):
 
 
 def run_grpo(a, s, model, out, gpus):
-    """ref_server.py and the trainer, started together as the GPU recipe (docs/gpu.md) starts them;
-    -> seconds taken."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "REF_SERVER_TOKEN": secrets.token_hex(16),
+    """The run, one launch as docs/gpu.md's layouts start it: rank 0 starts the vLLM engine and the reference
+    server, and every push goes through vLLM's weight-transfer API (NCCL with 3+ GPUs, CUDA IPC on one,
+    gloo on CPU); -> seconds taken."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                   os.path.join(sys.prefix, "torch_extensions"))}
-    url = f"http://127.0.0.1:{free_port()}"
-    server_cmd = [sys.executable, "ref_server.py", "--model", model, "--port", url.rsplit(":", 1)[1],
-                  "--checkpoint-dir", out]
     deepspeed = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or "deepspeed"
     train_cmd = [deepspeed, "--master_port", str(free_port()), "grpo_train.py", "--model", model,
                  "--task", "countdown", "--rewards", "countdown,format:0.5", "--out-dir", out,
-                 "--ref-url", url, "--lr", str(a.lr), "--beta", "0.04", "--eval-every", "25",
+                 "--lr", str(a.lr), "--beta", "0.04", "--eval-every", "25",
                  "--save-every", "50", "--sync-tol", str(a.sync_tol),
                  "--overlong-buffer", str(s["max_new_tokens"] - 1)]
     train_cmd += [arg for k, v in s.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
-    server_env, train_env = dict(env), dict(env)
     if gpus:
         gen, ref, train = layout(gpus)
-        server_cmd += ["--device", "cuda:0"]
-        server_env["CUDA_VISIBLE_DEVICES"] = str(ref)
-        train_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, train))
-        train_cmd += ["--gen-device", str(gen), "--gen-mem", "0.85" if gpus >= 3 else "0.3"]
+        train_cmd[1:1] = ["--include", "localhost:" + ",".join(map(str, train))]
+        train_cmd += ["--gen-device", str(gen), "--ref-device", str(ref), "--gen-mem", "0.85" if gpus >= 3 else "0.3"]
     else:   # the launcher needs --num_gpus on a CPU machine; one thread per process on shared cores
-        server_cmd += ["--device", "cpu", "--threads", "1"]
         train_cmd[1:1] = ["--num_gpus", "1"]
-        train_cmd += ["--threads", "1"]
-    print("gpu_check:", " ".join(server_cmd), "&\ngpu_check:", " ".join(train_cmd), flush=True)
+        train_cmd += ["--threads", "1", "--ref-device", "cpu"]
+    print("gpu_check:", " ".join(train_cmd), flush=True)
     t = time.time()
-    server = subprocess.Popen(server_cmd, cwd=ROOT, env=server_env)
+    run = subprocess.Popen(train_cmd, cwd=ROOT, env=env, start_new_session=True)
     try:
-        run = subprocess.Popen(train_cmd, cwd=ROOT, env=train_env, start_new_session=True)
-        try:
-            while run.poll() is None:
-                if server.poll() is not None:
-                    raise SystemExit(f"gpu_check: ref_server.py exited with code {server.returncode}")
-                time.sleep(1)
-        finally:
-            if run.poll() is None:   # the launcher's whole group: deepspeed's runner does not pass signals on
-                os.killpg(run.pid, 15)
-                run.wait(timeout=60)
-        if run.returncode:
-            raise SystemExit(f"gpu_check: grpo_train.py failed (exit code {run.returncode}); "
-                             f"its output is above")
+        run.wait()
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        if run.poll() is None:   # the launcher's whole group: deepspeed's runner does not pass signals on
+            os.killpg(run.pid, 15)
+            run.wait(timeout=60)
+    if run.returncode:
+        raise SystemExit(f"gpu_check: grpo_train.py failed (exit code {run.returncode}); its output is above")
     return time.time() - t
 
 

@@ -49,13 +49,17 @@ def alone(a, extra, out):
     import grpo_train as gt
     import ref_server
     from demo.run_demo import TRAIN_FLAGS
-    from generation import load_weights_into_vllm
+    from generation import never_pushed
+    from weight_transfer import push_in_process, register_gloo
     from run_setup import build_engine, init_distributed, load_policy, load_prompts, micro_batches
     from tasks import shuffled_forever
     args = gt.get_args(["--model", a.model, "--out-dir", out, "--steps", str(a.steps), *TRAIN_FLAGS, *extra])
     # vLLM first: it sets up a one-process torch.distributed group, which DeepSpeed then finds and uses
+    register_gloo()
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, seed=args.seed,
-              max_model_len=args.max_prompt_len + args.max_new_tokens, logprobs_mode="processed_logprobs")
+              max_model_len=args.max_prompt_len + args.max_new_tokens, logprobs_mode="processed_logprobs",
+              weight_transfer_config={"backend": "gloo"})
+    push = push_in_process(llm, never_pushed(args.model))
     init_distributed(10, 1)
     model, tok = load_policy(args.model, False)
     train_set, _, _ = load_prompts(tok, **{**vars(args), "data": None})
@@ -78,7 +82,7 @@ def alone(a, extra, out):
         total = gt.normaliser(seqs, [], args.agg, args.mask_truncated)
         gt.train_step(engine, micro_batches(seqs, seqs, 1, args.micro_batch), total, tok.pad_token_id, args)
         t3 = time.perf_counter()
-        load_weights_into_vllm(llm, engine.module.named_parameters())
+        push(engine.module.named_parameters())
         if step >= a.warm_steps:
             for k, t in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
                 times[k].append(t)

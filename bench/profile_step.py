@@ -34,8 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (row, frames that must all be in the stack): first match wins, so the specific rows come first.
 TRAINER = [
     ("push: trainer's probe forward", ["push_weights", "completion_logps"]),
-    ("push: broadcast, waiting for the generation process", ["send_weights"]),
-    ("push: copies to the weight group, control message", ["push_weights"]),
+    ("push: vLLM's weight transfer, watched", ["push_weights", "_watched"]),
+    ("push: opening the transfer, probe message", ["push_weights"]),
     ("batch: waiting for it, unpickling it", ["next_batch"]),
     ("batch: JSON broadcast to the ranks", ["broadcast_json"]),
     ("reference: HTTP round trip (encode, server, decode)", ["ref_logps"]),
@@ -52,7 +52,7 @@ GENERATION = [
     ("weights: receive (broadcast)", ["receive_weights"]),
     ("weights: CPU lm_head repack", ["repack_cpu_lm_head"]),
     ("weights: prefix cache reset", ["reset_prefix_cache"]),
-    ("weights: vLLM reload_weights", ["load_weights_into_vllm"]),
+    ("weights: vLLM weight-transfer calls", ["apply_transfer"]),
     ("weights: probe, vLLM prompt log-probs", ["vllm_probe_logps"]),
     ("weights: probe check", ["check_probe"]),
     ("eval", ["held_out_eval"]),

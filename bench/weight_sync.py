@@ -1,15 +1,17 @@
-"""Cost of a weight push, trainer -> generation process, on this machine (CPU, gloo):
+"""Cost of a weight push, trainer -> a vLLM engine in a second process, on this machine (CPU, gloo), before
+and after the push moved onto vLLM's own weight-transfer API, in one run:
 
-- plain copy: the state dict copied into preallocated buffers in the same process (the memory floor);
-- shared-memory copy: the previous version's push, a copy into shared CPU buffers (`share_memory_()`) that
-  the generation process then loaded from (a second copy, not timed here);
-- broadcast: today's push, `generation.send_weights` over the two-member gloo group into a second process
-  that receives it in flat buckets (`generation.receive_weights`), the same code a GPU run executes with NCCL;
-- with --pull (default): the broadcast received straight into a live vLLM engine's loader
-  (`generation.load_weights_into_vllm`) plus the probe check, i.e. the whole push as the trainer waits for it.
+- before: the previous push, kept below as it was (16 MiB flat buckets over a two-member gloo group, 1 ms
+  sleep-polling, one bucket in flight on the receiver, streamed into vLLM's reload_weights, the CPU lm_head
+  repack, the prefix-cache reset);
+- after: today's push, weight_transfer.py: vLLM's init / start / update / finish(weight_version) calls,
+  the project's gloo engine, 256 MiB buckets, the coverage check, a thread in place of the polling.
 
-    python bench/weight_sync.py                      # the demo model and a random Qwen2.5-0.5B-shaped model
-    python bench/weight_sync.py --sizes demo --no-pull
+Each push is timed from the trainer's first call until the engine has answered (the whole push as rank 0
+waits for it), and vLLM's probe log-probs are checked against the trainer's after each one.
+
+    python bench/weight_sync.py                      # the demo model and a random ~100M-parameter Qwen2
+    python bench/weight_sync.py --sizes demo --reps 3
 
 Each size runs in a fresh subprocess (its memory is freed before the next). Median of --reps after a warm-up.
 """
@@ -20,132 +22,173 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
-from _common import demo_model, machine, n_params, print_table, random_config, timed
+from _common import demo_model, machine, n_params, print_table, random_config
 
-QWEN05 = dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936)   # Qwen2.5-0.5B's shape
+# ~104M parameters with the demo's character vocabulary (tied embeddings)
+MODEL_100M = dict(hidden=768, layers=11, heads=12, intermediate=3072)
+OLD_BUCKET_BYTES = 16 * 2**20
 
 
-def receiver(port, specs, reps, model_path, probe_ids, threads):
-    """The generation process's side: joins the weight group and receives every push (into vLLM if given)."""
+# ---------------------------------------------------------------- before: the previous push, as it was
+
+def old_wait(work):
+    while not work.is_completed():
+        time.sleep(0.001)
+    work.wait()
+
+
+def old_send(group, tensors):
+    import torch
+    from weight_transfer import buckets
+    works = []
+    for idx in buckets([(t.numel(), t.dtype) for t in tensors], OLD_BUCKET_BYTES):
+        parts = [tensors[i].detach().reshape(-1) for i in idx]
+        works.append(group.broadcast(parts[0] if len(parts) == 1 else torch.cat(parts), 0))
+        if len(works) > 4:
+            old_wait(works[-5])
+    for work in works[-4:]:
+        old_wait(work)
+
+
+def old_receive(group, specs):
+    import torch
+    from weight_transfer import buckets
+    shapes = [(name, torch.Size(shape)) for name, shape in specs]
+    for idx in buckets([(shape.numel(), torch.float32) for _, shape in shapes], OLD_BUCKET_BYTES):
+        flat = torch.empty(sum(shapes[i][1].numel() for i in idx))
+        old_wait(group.broadcast(flat, 0))
+        for i, part in zip(idx, flat.split([shapes[i][1].numel() for i in idx])):
+            yield shapes[i][0], part.view(shapes[i][1])
+
+
+def old_load(llm, weights):
+    from weight_transfer import repack_cpu_lm_head
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    llm.collective_rpc(lambda worker: repack_cpu_lm_head(worker.model_runner.model))
+    llm.reset_prefix_cache()
+
+
+# ---------------------------------------------------------------- the engine process
+
+def engine(model_path, control, answers, threads):
+    """A vLLM engine that takes pushes both ways, as the generation process does."""
     import torch
     import torch.distributed as dist
     torch.set_num_threads(threads)
-    from generation import load_weights_into_vllm, receive_weights, vllm_probe_logps, weight_group
-    llm = None
-    if model_path:
-        os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-        from vllm import LLM
-        llm = LLM(model_path, seed=0, dtype="float32", enforce_eager=True, max_model_len=256)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(minutes=10))
-    group = weight_group(store, 1, 2, "gloo")[0]
-    store.set("ready", "1")
-
-    def received():
-        return receive_weights(group, [(name, shape, "float32") for name, shape in specs], torch.device("cpu"),
-                               lambda: None)
-    for _ in range(reps + 1):
-        if llm is None:
-            for _ in received():
-                pass
-        else:
-            load_weights_into_vllm(llm, received())
-            got = vllm_probe_logps(llm, probe_ids)
-            store.set("probe", json.dumps(got.tolist()))
-        group.barrier().wait()
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    from vllm import LLM
+    from generation import never_pushed, vllm_probe_logps
+    from weight_transfer import apply_transfer, register_gloo
+    register_gloo()
+    llm = LLM(model_path, seed=0, dtype="float32", enforce_eager=True, max_model_len=256,
+              weight_transfer_config={"backend": "gloo"})
+    skipped, old_group = never_pushed(model_path), None
+    while (msg := control.get())["kind"] != "stop":
+        if msg["kind"] == "transfer":
+            apply_transfer(llm, msg, skipped)
+            answers.put(msg["method"])
+        elif msg["kind"] == "old":
+            if old_group is None:
+                store = dist.TCPStore("127.0.0.1", msg["port"], is_master=False,
+                                      timeout=datetime.timedelta(minutes=10))
+                old_group = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(minutes=10))
+            old_load(llm, old_receive(old_group, msg["specs"]))
+            answers.put("old")
+        elif msg["kind"] == "probe":
+            answers.put(vllm_probe_logps(llm, msg["ids"]).tolist())
 
 
 def measure(size, a):
-    """In the child process: -> dict of median seconds."""
+    """In the child process: -> dict of median seconds for each push."""
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
-    from generation import send_weights, weight_group
     from grpo_train import completion_logps
-    tmp = tempfile.mkdtemp()
+    from weight_transfer import EngineClient, open_transfer
     if size == "demo":
         path = demo_model(a.model)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    else:   # random; saved only if vLLM has to load it
+    else:
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(random_config(**QWEN05)[0])
-        path = os.path.join(tmp, "m")
-        if a.pull:
-            model.save_pretrained(path)
-            random_config(**QWEN05)[1].save_pretrained(path)
+        config, tok = random_config(**MODEL_100M)
+        model = Qwen2ForCausalLM(config)
+        path = os.path.join(tempfile.mkdtemp(), "m")
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
     params = [(n, p.detach()) for n, p in model.named_parameters()]
-    med = lambda xs: sorted(xs)[len(xs) // 2]
-    floor = {n: torch.empty_like(p) for n, p in params}
-    shared = {n: torch.empty_like(p).share_memory_() for n, p in params}
-
-    def copy_into(buffers):
-        for n, p in params:
-            buffers[n].copy_(p)
-    copy_into(floor), copy_into(shared)   # warm-up (first touch of every page)
-    out = {"params": n_params(model), "bytes": sum(p.numel() * p.element_size() for _, p in params)}
-    out["copy"], out["shm"] = (timed(lambda: copy_into(buffers), a.reps)[0] for buffers in (floor, shared))
-    floor.clear(), shared.clear()   # their memory, before the receivers start
-
+    ctx = mp.get_context("spawn")
+    control, answers = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=engine, args=(path, control, answers, a.threads), daemon=True)
+    proc.start()
+    client = EngineClient([control], [answers])
+    transfer = open_transfer("gloo", client, lambda: params, 1)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(minutes=10))
+    old_msg = {"kind": "old", "port": store.port, "specs": [(n, list(p.shape)) for n, p in params]}
+    old_group = None
     probe_ids = list(range(10, 74))
     ids = torch.tensor([probe_ids])
-    with torch.no_grad():
-        probe = completion_logps(model, ids, torch.ones_like(ids), len(probe_ids) - 1)[0]
-    for key, model_path in [("broadcast", None)] + ([("pull", path)] if a.pull else []):
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(minutes=10))
-        proc = mp.get_context("spawn").Process(target=receiver, args=(
-            store.port, [(n, list(p.shape)) for n, p in params], a.reps, model_path, probe_ids, a.threads))
-        proc.start()
-        group = weight_group(store, 0, 2, "gloo")[0]
-        store.wait(["ready"])
-        check = lambda: None if proc.is_alive() else sys.exit("the receiver died")
-        times = []
-        for rep in range(a.reps + 1):   # the first is a warm-up
-            push = lambda: send_weights(group, [p for _, p in params], torch.device("cpu"), check)
-            t = timed(lambda: (push(), group.barrier().wait()), 1)[0]
-            times.append(t)
-            if model_path:
-                got = torch.tensor(json.loads(store.get("probe")))
-                diff = (got - probe).abs().mean().item()
-                assert diff < 1e-3, f"the pushed weights did not land in vLLM (probe differs by {diff})"
-        proc.join(timeout=120)
-        out[key] = med(times[1:])
+    out = {"params": n_params(model), "bytes": sum(p.numel() * p.element_size() for _, p in params)}
+
+    def old_push():
+        nonlocal old_group
+        control.put(old_msg)
+        if old_group is None:
+            old_group = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(minutes=10))
+        old_send(old_group, [p for _, p in params])
+        answers.get()
+
+    def new_push():
+        client.finish = {"version": rep}
+        transfer.send_weights()
+
+    times = {"old": [], "new": []}
+    for rep in range(a.reps + 1):   # the first of each is a warm-up; the two alternate
+        for key, push in (("old", old_push), ("new", new_push)):
+            with torch.no_grad():
+                for _, p in params:   # a step's worth of change, so that each push has something to land
+                    p.add_(torch.randn_like(p) * 1e-3)
+                probe = completion_logps(model, ids, torch.ones_like(ids), len(probe_ids) - 1)[0]
+            t = time.perf_counter()
+            push()
+            times[key].append(time.perf_counter() - t)
+            control.put({"kind": "probe", "ids": probe_ids})
+            diff = (torch.tensor(answers.get()) - probe).abs().mean().item()
+            assert diff < 1e-3, f"the {key} push did not land in vLLM (probe differs by {diff})"
+    control.put({"kind": "stop"})
+    proc.join(timeout=60)
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    out.update({k: med(v[1:]) for k, v in times.items()})
     return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="demo,qwen2.5-0.5b", help="comma-separated: demo, qwen2.5-0.5b")
+    p.add_argument("--sizes", default="demo,100m", help="comma-separated: demo, 100m")
     p.add_argument("--model", help="local HF model folder for 'demo' (default: the demo's warm-started model)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions of each (median)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the trainer's --threads default)")
-    p.add_argument("--no-pull", dest="pull", action="store_false", help="skip the vLLM side")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         print("RESULT " + json.dumps(measure(a.child, a)))
         return
     rows = []
-    what = {"copy": "plain copy (floor)", "shm": "shared-memory copy (the previous push, first half)",
-            "broadcast": "gloo broadcast to a second process (today's push)",
-            "pull": "broadcast into vLLM's loader + probe (today's whole push)"}
     for size in a.sizes.split(","):
         cmd = [sys.executable, __file__, "--child", size, "--reps", str(a.reps), "--threads", str(a.threads)]
-        cmd += (["--model", a.model] if a.model else []) + ([] if a.pull else ["--no-pull"])
-        out = subprocess.run(cmd, capture_output=True, text=True)
+        out = subprocess.run(cmd + (["--model", a.model] if a.model else []), capture_output=True, text=True)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode or not lines:
             raise SystemExit(f"{size} failed:\n{out.stderr[-3000:]}")
         r = json.loads(lines[-1][7:])
-        gb = r["bytes"] / 1e9
-        label = f"{size} ({r['params'] / 1e6:.1f}M, {gb * 1000:.0f} MB)"
-        for k, name in what.items():
-            if k in r:
-                rows.append([label, name, f"{1000 * r[k]:.2f}", f"{gb / r[k]:.2f}", f"{r[k] / r['copy']:.2f}x"])
-    print(f"\n{machine()}; {a.threads} torch thread(s); fp32 weights; median of {a.reps}")
-    print_table(["model", "operation", "ms", "GB/s", "vs plain copy"], rows)
+        label = f"{size} ({r['params'] / 1e6:.1f}M, {r['bytes'] / 1e6:.0f} MB)"
+        rows.append([label, f"{1000 * r['old']:.1f}", f"{1000 * r['new']:.1f}", f"{r['new'] / r['old']:.2f}x"])
+    print(f"\n{machine()}; {a.threads} torch thread(s); fp32 weights; median of {a.reps}, alternating")
+    print_table(["model", "before: ms a push", "after: ms a push", "after / before"], rows)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The offline demo: the whole architecture for real, on a tiny model, on a 2-core CPU with no internet.
 
 1. build a tiny Qwen2 model locally and warm-start it on the demo task (format right, answers mostly wrong),
-2. start ref_server.py on loopback and, at the same time, 3. run grpo_train.py through the deepspeed launcher
-(which spawns the vLLM generation process), 4. print held-out accuracy before -> after and plot the metrics.
+2. (with --ref-servers 2+: start them on loopback and, at the same time) 3. run grpo_train.py through the
+deepspeed launcher, one launch: rank 0 starts the reference server and the vLLM generation process,
+4. print held-out accuracy before -> after and plot the metrics.
 
     python -m demo.run_demo [--steps N] [--world-size 2] [-- extra grpo_train.py flags]
 """
@@ -65,13 +66,14 @@ def main(argv=None):
         subprocess.run([sys.executable, "-m", "demo.tiny_model", "--out", model_dir, "--seed", str(a.seed)],
                        cwd=ROOT, env=env, check=True)
 
-    # 2. the reference server, on loopback (one thread: the two cores belong to the trainer and vLLM), with a
-    # token only this run knows; it may reload checkpoints from the run's folder (--ref-sync-every). 3. GRPO
-    # through the deepspeed launcher, started at the same time: the trainer waits for the server (--ref-wait),
-    # so their start-ups overlap. The launcher gets a process group of its own: deepspeed's runner does not
+    # 2. the reference server: one (the default) rank 0 starts itself, as it starts vLLM (loopback, a token
+    # of its own, the run's folder for --ref-sync-every); several are started here, on loopback (one thread
+    # each: the two cores belong to the trainer and vLLM) with a token only this run knows. 3. GRPO through
+    # the deepspeed launcher, started at the same time: the trainer waits for the servers (--ref-wait), so
+    # their start-ups overlap. The launcher gets a process group of its own: deepspeed's runner does not
     # pass signals on, so the group gets them.
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(a.ref_servers)] if a.ref_servers > 1 else []
     env["REF_SERVER_TOKEN"] = secrets.token_hex(16)
-    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(a.ref_servers)]
     servers = [subprocess.Popen([sys.executable, "ref_server.py", "--model", model_dir, "--port", url.rsplit(":", 1)[1],
                                  "--threads", "1", "--checkpoint-dir", out], cwd=ROOT, env=env) for url in urls]
     try:
@@ -80,7 +82,8 @@ def main(argv=None):
         # debugging the launcher; its warnings and errors still show
         run = subprocess.Popen([deepspeed, "--log_level", "warning", "--num_gpus", str(a.world_size),
                                 "--master_port", str(free_port()),
-                                "grpo_train.py", "--model", model_dir, "--out-dir", out, "--ref-url", ",".join(urls),
+                                "grpo_train.py", "--model", model_dir, "--out-dir", out,
+                                *(["--ref-url", ",".join(urls)] if urls else []),
                                 "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
                                 *TRAIN_FLAGS, *extra], cwd=ROOT, env=env, start_new_session=True)
         try:

@@ -1,6 +1,5 @@
 """Several generation engines and several reference servers (issues 20 and 21): how prompts, sequences and
 metrics are split and joined, the flags, and the engine's side of a trainer that dies mid-push."""
-import datetime
 import os
 import signal
 import subprocess
@@ -184,31 +183,32 @@ def test_two_reference_servers_each_score_their_share(tmp_path, tiny_model, demo
 
 
 def _engine_receiving(port, trainer_pid, marker):
-    """An engine's side of a push, as _serve runs it: receive_weights with the orphan check."""
-    import torch.distributed as dist
-    from generation import exit_if_orphaned, receive_weights, weight_group
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
-    group, device = weight_group(store, 1, 2, "gloo")
-    params = [("a", [4], "float32"), ("b", [1_000_000], "float32")]
-    check = lambda: exit_if_orphaned(trainer_pid, "test engine")
-    for i, _ in enumerate(receive_weights(group, params, device, check, bucket_bytes=16)):
-        if i == 0:
-            open(marker, "w").close()   # the first bucket arrived; the second never will
+    """An engine's side of a push, as _serve and the gloo engine run it: the trainer watch, the weight group
+    with its handshake, one bucket received, then a wait for the next, which never comes."""
+    import torch
+    from functools import partial
+    from generation import exit_if_orphaned, watch_parent
+    from weight_transfer import gloo_group
+    watch_parent(partial(exit_if_orphaned, trainer_pid, "test engine"))
+    group = gloo_group("127.0.0.1", port, 1, 2)
+    group.broadcast(torch.empty(4), 0).wait()
+    open(marker, "w").close()   # the first bucket arrived; the second never will
+    group.broadcast(torch.empty(1_000_000), 0).wait()
     os._exit(0)
 
 
 def _trainer_that_stalls_mid_push(marker):
     """A trainer that starts a push (one bucket of two sent) and is then killed: spawns the engine, sends the
     first bucket, and waits to be killed."""
-    import torch.distributed as dist
+    import torch
     import torch.multiprocessing as mp
-    from generation import weight_group
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    engine = mp.get_context("spawn").Process(target=_engine_receiving, args=(store.port, os.getpid(), marker))
+    from placement import free_port
+    from weight_transfer import gloo_group
+    port = free_port()
+    engine = mp.get_context("spawn").Process(target=_engine_receiving, args=(port, os.getpid(), marker))
     engine.start()
     print(f"engine pid {engine.pid}", flush=True)
-    group, _ = weight_group(store, 0, 2, "gloo")
+    group = gloo_group("127.0.0.1", port, 0, 2)
     group.broadcast(torch.ones(4), 0).wait()
     time.sleep(3600)
 

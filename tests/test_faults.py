@@ -84,58 +84,24 @@ def test_killed_generation_process_stops_the_run_quickly_with_no_orphans(tmp_pat
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))   # what was logged is intact
 
 
-def _receive_one_tensor_then_die(port):
+def test_weights_go_over_nccl_between_gpus_ipc_on_the_one_training_gpu_and_gloo_otherwise(monkeypatch):
+    """The backend rule, on a pretend GPU machine (torch.cuda.is_available is the one thing patched): vLLM's
+    NCCL engine when no engine shares a training GPU, its CUDA IPC engine when the one engine shares the one
+    training GPU, gloo over CPU tensors when an engine shares a GPU beside other training ranks (vLLM's IPC
+    engine all-gathers over every training rank; only rank 0 pushes), and on CPU."""
     import torch
-    import torch.distributed as dist
-    from generation import weight_group
-    group = weight_group(dist.TCPStore("127.0.0.1", port, is_master=False), 1, 2, "gloo")[0]
-    group.broadcast(torch.empty(4), 0).wait()
-    os._exit(3)
-
-
-def test_weight_push_notices_a_generation_process_that_dies_mid_push():
-    """The generation process dies after the first of a push's buckets: the push raises, it never hangs."""
-    import datetime
-    import torch
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-    from generation import send_weights, weight_group
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    child = mp.get_context("spawn").Process(target=_receive_one_tensor_then_die, args=(store.port,), daemon=True)
-    child.start()
-    group = weight_group(store, 0, 2, "gloo")[0]
-    checks = []
-
-    def check_alive():
-        checks.append(child.exitcode)
-        if not child.is_alive():
-            raise RuntimeError(f"the generation process died (exit code {child.exitcode})")
-    with pytest.raises(RuntimeError) as e:
-        # 16-byte buckets: the 4 floats cross alone, then each 4 MB tensor goes alone
-        send_weights(group, [torch.ones(4)] + [torch.ones(1_000_000) for _ in range(4)], torch.device("cpu"),
-                     check_alive, bucket_bytes=16)
-    child.join(timeout=30)
-    assert child.exitcode == 3
-    # whether gloo noticed the closed connection first or the liveness check did, the push stopped
-    assert "died (exit code 3)" in str(e.value) or "onnection" in str(e.value), str(e.value)
-
-
-def test_weights_go_over_nccl_between_two_gpus_and_gloo_otherwise(monkeypatch):
-    """The backend rule, on a pretend GPU machine (torch.cuda.is_available is the one thing patched): NCCL
-    when vLLM has a GPU of its own, gloo over CPU tensors when it shares rank 0's (NCCL refuses that) or
-    on CPU."""
-    import torch
-    from generation import weight_backend
+    from weight_transfer import transfer_backend
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,4")
-    monkeypatch.setenv("LOCAL_RANK", "1")   # this rank trains on GPU 3
-    assert (weight_backend([0]), weight_backend([3]), weight_backend([0, 1])) == ("nccl", "gloo", "nccl")
-    assert weight_backend([1, 3]) == "gloo"   # one engine on rank 0's GPU: the whole group goes by gloo
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")   # every GPU visible: local rank 1 is GPU 1
-    assert (weight_backend([0]), weight_backend([1])) == ("nccl", "gloo")
+    assert (transfer_backend([3], 1), transfer_backend([3, 4], 1), transfer_backend([2], 1)) == \
+        ("nccl", "nccl", "ipc")
+    assert (transfer_backend([4], 2), transfer_backend([3], 2), transfer_backend([2, 3], 1)) == \
+        ("nccl", "gloo", "gloo")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")   # every GPU visible: ranks 0 and 1 train on GPUs 0 and 1
+    assert (transfer_backend([2], 2), transfer_backend([1], 2), transfer_backend([0], 1)) == \
+        ("nccl", "gloo", "ipc")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert weight_backend([0]) == "gloo"
+    assert transfer_backend([0], 1) == "gloo"
 
 
 def rows_of(out_dir):
@@ -242,8 +208,9 @@ def test_sigterm_to_the_deepspeed_launcher_stops_every_process(tmp_path, tiny_mo
 
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "ref server dies"])
 def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, how):
-    """SIGTERM to run_demo, Ctrl-C (SIGINT to its process group), or the reference server killed: the reference
-    server, the launcher, the ranks and vLLM all end (the last within seconds, not after --ref-wait)."""
+    """SIGTERM to run_demo, Ctrl-C (SIGINT to its process group), or the reference server (which rank 0 started)
+    killed: the reference server, the launcher, the ranks and vLLM all end (the last within seconds, not after
+    --ref-wait)."""
     log = open(tmp_path / "run.log", "w")
     # SIGINT as a terminal delivers it: a test run started in the background by a shell inherits it ignored
     proc = subprocess.Popen([sys.executable, "-m", "demo.run_demo", "--model", demo_model, "--out-dir", str(tmp_path),
@@ -263,7 +230,9 @@ def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, 
     assert_all_gone(family)
     assert proc.wait() != 0
     if how == "ref server dies":
-        assert "run_demo: ref_server.py exited with code -9" in open(proc.log).read()
+        # the demo's one launch: rank 0 started the server, and notices its death
+        said = open(proc.log).read()
+        assert "grpo_train.py: the reference server this run started died (exit code -9)" in said, said[-3000:]
 
 
 def test_resume_after_sigkill_continues_the_run(tmp_path, demo_model):
@@ -339,51 +308,13 @@ def test_long_prompts_are_skipped_and_a_task_with_none_left_is_refused(capsys):
 
 def test_buckets_are_consecutive_one_dtype_and_bounded():
     import torch
-    from generation import buckets
+    from weight_transfer import buckets
     f32, bf16 = torch.float32, torch.bfloat16
     # 4-byte floats, limit 40 bytes: 3+5 fit, 8 would pass it, a 20-float weight goes alone, a dtype change cuts
     weights = [(3, f32), (5, f32), (8, f32), (20, f32), (1, f32), (2, bf16), (2, bf16), (1, f32)]
     assert buckets(weights, 40) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5), range(5, 7), range(7, 8)]
     assert buckets(weights, 10**9) == [range(0, 5), range(5, 7), range(7, 8)]
     assert buckets([], 40) == []
-
-
-def _receive_and_report(port, params, bucket_bytes, conn):
-    import torch
-    import torch.distributed as dist
-    from generation import receive_weights, weight_group
-    group = weight_group(dist.TCPStore("127.0.0.1", port, is_master=False), 1, 2, "gloo")[0]
-    conn.send([(name, t.dtype == getattr(torch, dtype), t.tolist())
-               for (name, t), (_, _, dtype) in zip(receive_weights(group, params, torch.device("cpu"),
-                                                                   lambda: None, bucket_bytes), params)])
-
-
-@pytest.mark.parametrize("bucket_bytes", [16, 2**20])
-def test_weights_cross_in_buckets_unchanged(bucket_bytes):
-    """send_weights -> receive_weights over a real gloo group: every tensor arrives with its name, shape, dtype
-    and values, whether each crosses alone (16-byte buckets) or all share buckets (one per dtype run)."""
-    import datetime
-    import torch
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-    from generation import send_weights, weight_group
-    torch.manual_seed(0)
-    tensors = {"a": torch.randn(3, 4), "b": torch.randn(5), "c": torch.randn(2, 2).to(torch.bfloat16),
-               "d": torch.arange(6, dtype=torch.float32).view(2, 3)}
-    params = [(n, list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()]
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    ctx = mp.get_context("spawn")
-    parent, child_end = ctx.Pipe()
-    child = ctx.Process(target=_receive_and_report, args=(store.port, params, bucket_bytes, child_end), daemon=True)
-    child.start()
-    group = weight_group(store, 0, 2, "gloo")[0]
-    send_weights(group, list(tensors.values()), torch.device("cpu"), lambda: None, bucket_bytes=bucket_bytes)
-    got = parent.recv()
-    child.join(timeout=30)
-    assert [name for name, _, _ in got] == list(tensors)
-    for (name, dtype_ok, values), t in zip(got, tensors.values()):
-        assert dtype_ok and values == t.tolist(), name
 
 
 # ---------------------------------------------------------------- a user's mistake: one line, no traceback
@@ -452,3 +383,97 @@ def test_a_bad_flag_without_the_launcher_is_one_line(tiny_model):
     # stdout: at most DeepSpeed's own note, at import, that it found no GPU
     assert p.returncode != 0 and all(LAUNCHER_LINE.match(line) for line in p.stdout.splitlines())
     assert p.stderr == "grpo_train.py: argument --steps: invalid int value: 'ten' (--help lists the flags)\n"
+
+
+# ---------------------------------------------------------------- a first GPU run's failures, on CPU
+
+def test_gen_mem_over_half_of_a_shared_gpu_is_refused_in_one_line(capsys, monkeypatch):
+    """On a pretend GPU machine (torch.cuda.is_available is the one thing patched): an engine on a training GPU
+    may take at most half of it; on a GPU of its own, any --gen-mem."""
+    import torch
+    from grpo_train import get_args
+    from run_setup import check_config
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(SystemExit) as e:
+        check_config(1, **vars(get_args(["--model", "m/m", "--gen-device", "0", "--gen-mem", "0.9"])))
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1
+    assert "--gen-mem 0.9: a vLLM engine on a training GPU may take at most 0.5 of it" in err
+    # the default on a shared GPU, a small one, and a GPU of its own at 0.9 all pass
+    for flags, world in ((["--gen-device", "0"], 1), (["--gen-devices", "1", "--gen-mem", "0.4"], 2),
+                         (["--gen-device", "2", "--gen-mem", "0.9"], 2)):
+        check_config(world, **vars(get_args(["--model", "m/m", *flags])))
+    assert "grpo_train.py: model m/m" in capsys.readouterr().out
+
+
+def test_overlap_comm_is_on_where_more_than_one_rank_trains(tmp_path):
+    """ZeRO-2 overlaps its gradient reduction with the backward on 2+ ranks, not on one (only its buffers
+    there); a value written in the --ds-config file wins."""
+    from run_setup import deepspeed_config
+    for name in ("ds_config.json", "ds_config_offload.json"):
+        path = os.path.join(ROOT, name)
+        assert deepspeed_config(path, 8, False, 2)["zero_optimization"]["overlap_comm"] is True
+        assert deepspeed_config(path, 8, False, 1)["zero_optimization"]["overlap_comm"] is False
+    mine = tmp_path / "ds.json"
+    mine.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": False}}))
+    assert deepspeed_config(str(mine), 8, False, 4)["zero_optimization"]["overlap_comm"] is False
+
+
+def test_an_engine_dead_before_the_first_push_never_blocks_opening_the_weight_group():
+    """Rank 0 opens the weight group (vLLM's init handshake) for an engine that died before it joined: the
+    rendezvous would wait GROUP_TIMEOUT (30 minutes); the liveness check ends it in one line within
+    seconds, and nothing is left open."""
+    import multiprocessing
+    from generation import GenerationProcess
+    from weight_transfer import EngineClient, open_transfer
+    ctx = multiprocessing.get_context("spawn")
+    dead = ctx.Process(target=time.sleep, args=(0,))
+    dead.start()
+    dead.join()
+    gen = GenerationProcess.__new__(GenerationProcess)
+    gen.procs, gen.devices, gen.launcher, gen.transfer = [dead], [0], None, None
+    client = EngineClient([ctx.Queue()], [ctx.Queue()])
+    t0 = time.time()
+    with pytest.raises(SystemExit) as e:
+        gen._watched(open_transfer, "gloo", client, lambda: [], 1)
+    assert time.time() - t0 < 10
+    # the one line the run ends with (an uncaught SystemExit prints its message, no traceback)
+    said = str(e.value.code)
+    assert "\n" not in said and "the generation process died (exit code 0): engine 0, device 0" in said
+
+
+def _start_and_find(tmp_path, tiny_model, port):
+    """A run whose engine has just been spawned (vLLM still starting: no push yet) -> (run, rank 0, engine)."""
+    proc = launch(tmp_path, tiny_model, "--beta", "0", "--steps", "100000", port=port)
+    launcher = psutil.Process(proc.pid)
+    deadline, engine = time.time() + 240, None
+    while engine is None:
+        assert proc.poll() is None, open(proc.log).read()[-3000:]
+        assert time.time() < deadline, "the engine never started"
+        time.sleep(0.2)
+        engine = next((p for p in launcher.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())
+                       and "resource_tracker" not in " ".join(p.cmdline())), None)
+    metrics = tmp_path / "metrics.jsonl"
+    assert not (metrics.exists() and metrics.read_text())   # no step yet
+    return proc, engine.parent(), engine
+
+
+def test_an_engine_killed_before_its_first_push_ends_the_run_in_one_line(tmp_path, tiny_model):
+    proc, _, engine = _start_and_find(tmp_path, tiny_model, 29711)
+    t0 = time.time()
+    engine.send_signal(signal.SIGKILL)
+    rc, out = finish(proc, timeout=120)
+    assert time.time() - t0 < 60
+    assert rc != 0 and "grpo_train.py: the generation process died (exit code -9): engine 0" in out
+    assert "Traceback" not in out, out[-3000:]
+
+
+def test_a_trainer_killed_before_its_first_push_leaves_no_engine(tmp_path, tiny_model):
+    proc, rank0, engine = _start_and_find(tmp_path, tiny_model, 29712)
+    rank0.send_signal(signal.SIGKILL)
+    t0 = time.time()
+    while engine.is_running() and engine.status() != psutil.STATUS_ZOMBIE:
+        assert time.time() - t0 < 60, "the engine outlived its trainer by a minute"
+        time.sleep(0.2)
+    finish(proc, timeout=120)

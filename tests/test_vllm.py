@@ -1,5 +1,6 @@
-"""vLLM's CPU build, in process: sampling log-probs agree with the trainer's, and a weight push really lands
-(both silent traps of vLLM 0.32's reload: the tied lm_head on CPU and the prefix cache)."""
+"""vLLM's CPU build, in process: sampling log-probs agree with the trainer's, and a weight push through vLLM's
+weight-transfer API (the project's gloo engine, the calls an engine makes) really lands (both silent traps of
+vLLM 0.32's reload: the tied lm_head on CPU and the prefix cache), or fails naming what it left unsent."""
 import logging
 import os
 
@@ -7,14 +8,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from generation import (RELOAD_LOGGER, check_probe, load_weights_into_vllm, quiet_vllm_console,
-                        repack_cpu_lm_head, vllm_probe_logps)
+from generation import RELOAD_LOGGER, check_probe, never_pushed, quiet_vllm_console, vllm_probe_logps
 from grpo_train import completion_logps, pad_batch
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 vllm = pytest.importorskip("vllm")
 from vllm.inputs import TokensPrompt  # noqa: E402
+
+from weight_transfer import push_in_process, register_gloo, repack_cpu_lm_head  # noqa: E402
 
 PROMPT = [10, 11, 12, 13]
 LONG_PROMPT = [10 + i % 90 for i in range(300)]   # long enough for the prefix cache to hold many blocks
@@ -23,9 +25,15 @@ LONG_PROMPT = [10 + i % 90 for i in range(300)]   # long enough for the prefix c
 @pytest.fixture(scope="module")
 def setup(tiny_model):
     torch.set_num_threads(1)
+    register_gloo()
     llm = vllm.LLM(tiny_model, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
-                   logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+                   logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                   weight_transfer_config={"backend": "gloo"})
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    push = push_in_process(llm, never_pushed(tiny_model))
+    # each test pushes {name: tensor}, through vLLM's API as an engine does
+    llm.push = lambda weights: push(weights.items())
+    llm.client = push.client
     return llm, model
 
 
@@ -82,8 +90,10 @@ def test_reload_alone_keeps_the_old_tied_lm_head_and_our_push_fixes_it(setup):
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
     llm.reset_prefix_cache()
     assert max_logp_diff(model, PROMPT, sample(llm, PROMPT)) > 0.1   # the trap, on vLLM 0.32's CPU build
-    load_weights_into_vllm(llm, iter(weights.items()))
+    llm.push(weights)
     assert max_logp_diff(model, PROMPT, sample(llm, PROMPT)) < 1e-3
+    # finish_weight_update(weight_version) reached vLLM: the version pushed is the version it serves
+    assert llm.get_weight_version() == str(llm.client.version)
 
 
 def test_push_clears_prefix_cache_computed_with_old_weights(setup):
@@ -92,9 +102,9 @@ def test_push_clears_prefix_cache_computed_with_old_weights(setup):
     weights = perturbed(model, seed=2)
     # reload without the cache reset: the cached prompt KV still comes from the old weights
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
-    llm.collective_rpc(repack_cpu_lm_head)
+    llm.collective_rpc(lambda worker: repack_cpu_lm_head(worker.model_runner.model))
     assert max_logp_diff(model, LONG_PROMPT, sample(llm, LONG_PROMPT)) > 0.1
-    load_weights_into_vllm(llm, iter(weights.items()))
+    llm.push(weights)
     assert max_logp_diff(model, LONG_PROMPT, sample(llm, LONG_PROMPT)) < 1e-3
 
 
@@ -110,7 +120,7 @@ def test_probe_check_catches_a_mismatch_and_a_reload_that_did_nothing(setup):
         with torch.no_grad():
             return completion_logps(model, ids, torch.ones_like(ids), len(probe) - 1)[0]
 
-    load_weights_into_vllm(llm, iter(perturbed(model, seed=3).items()))
+    llm.push(perturbed(model, seed=3))
     got0, want0 = vllm_probe_logps(llm, probe), trainer_probe()
     assert check_probe(got0, want0, None, None, tol=0.1, version=0) < 1e-3
     with pytest.raises(RuntimeError, match="differ from the trainer's by 0.5"):
@@ -122,17 +132,16 @@ def test_probe_check_catches_a_mismatch_and_a_reload_that_did_nothing(setup):
             p.add_(torch.randn(p.shape, generator=g) * 1e-3)
     want1 = trainer_probe()
     assert 0 < (want1 - want0).abs().mean() < 0.1   # the first check alone would pass
-    load_weights_into_vllm(llm, iter([]))
-    got1 = vllm_probe_logps(llm, probe)
+    got1 = vllm_probe_logps(llm, probe)   # no push: what a reload that did nothing leaves
     with pytest.raises(RuntimeError, match="the reload did nothing"):
         check_probe(got1, want1, got0, want0, tol=0.1, version=1)
     # the real reload passes
-    load_weights_into_vllm(llm, iter({n: p.detach().clone() for n, p in model.named_parameters()}.items()))
+    llm.push({n: p.detach().clone() for n, p in model.named_parameters()})
     assert check_probe(vllm_probe_logps(llm, probe), want1, got0, want0, tol=0.1, version=1) < 1e-3
 
 
 def test_a_push_no_longer_warns_that_it_failed(setup, tiny_model, monkeypatch):
-    """Issue 23: vLLM 0.32 warns "RotaryEmbedding: Failed to load weights" and "ParallelLMHead: ..." at every
+    """vLLM 0.32 warns "RotaryEmbedding: Failed to load weights" and "ParallelLMHead: ..." at every
     reload, though the push landed (the log-probs match): quiet_vllm_console drops these two, and only them."""
     llm, model = setup
     reload_logger, heard = logging.getLogger(RELOAD_LOGGER), []
@@ -142,12 +151,12 @@ def test_a_push_no_longer_warns_that_it_failed(setup, tiny_model, monkeypatch):
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")   # restored afterwards: quiet_vllm_console sets it
     reload_logger.addHandler(collect)
     try:
-        load_weights_into_vllm(llm, iter(perturbed(model, seed=5).items()))
+        llm.push(perturbed(model, seed=5))
         false_alarms = [f"{layer}: Failed to load weights" for layer in ("ParallelLMHead", "RotaryEmbedding")]
         assert sorted(heard) == false_alarms
         heard.clear()
         assert quiet_vllm_console(tiny_model) == {"use_tqdm_on_load": False}
-        load_weights_into_vllm(llm, iter(perturbed(model, seed=6).items()))
+        llm.push(perturbed(model, seed=6))
         assert heard == [] and max_logp_diff(model, PROMPT, sample(llm, PROMPT)) < 1e-3   # quiet, and it landed
         reload_logger.warning("%s: Failed to load weights", "QKVParallelLinear")   # a real failure still shows
         assert heard == ["QKVParallelLinear: Failed to load weights"]
@@ -155,3 +164,22 @@ def test_a_push_no_longer_warns_that_it_failed(setup, tiny_model, monkeypatch):
         reload_logger.removeHandler(collect)
         for name, filters in saved.items():
             logging.getLogger(name).filters[:] = filters
+
+
+@pytest.mark.parametrize("left_out, named", [
+    ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.qkv_proj (33152/49536 values)"),
+    ("model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.down_proj (0/"),
+])
+def test_a_push_that_leaves_a_layer_unsent_or_sent_in_part_is_an_error_naming_it(setup, left_out, named):
+    """vLLM 0.32 only warns about a layer sent nothing (and keeps its old values), and says nothing about a
+    fused layer sent in part (k_proj of qkv_proj: its rows left uninitialised): the push fails, naming the
+    layer; then a whole push heals the engine."""
+    llm, model = setup
+    weights = perturbed(model, seed=7)
+    with pytest.raises(RuntimeError, match="left vLLM parameters unsent or sent in part") as e:
+        llm.push({n: w for n, w in weights.items() if n != left_out})
+    assert named in str(e.value)
+    # the engine is mid-update (as after any failed push, which ends the run): finish it, push in full
+    llm.finish_weight_update()
+    llm.push(weights)
+    assert max_logp_diff(model, PROMPT, sample(llm, PROMPT)) < 1e-3

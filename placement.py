@@ -1,0 +1,56 @@
+"""Where a run's processes go on a machine: the training GPUs, the share of one an engine may take, and the
+reference server rank 0 starts. A leaf module (it imports no other of the project's): run_setup.py checks
+the flags with it, generation.py and weight_transfer.py place and start processes with it."""
+import ctypes
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+
+import torch
+
+
+def training_gpus(world):
+    """The GPUs (as the machine counts them) of the `world` training ranks of this node: local rank i on the
+    i-th visible one."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [int(d) for d in visible.split(",")[:world]] if visible else list(range(world))
+
+
+# the most of a training GPU an engine sharing it may take (--gen-mem): the trainer keeps the rest
+SHARED_GEN_MEM = 0.5
+
+
+def free_port():
+    """A loopback port free now, for a server or a rendezvous whose master takes it by number."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reference_device(ref_device, gen_devices):
+    """--ref-device -> "cpu" or a GPU index (as the machine counts them), its default applied."""
+    if ref_device is None:
+        return "cpu" if not torch.cuda.is_available() else str(gen_devices[0])
+    return ref_device
+
+
+def start_reference_server(model, device, checkpoint_dir, threads):
+    """Rank 0's own reference server (ref_server.py, run as a child process, as a user would run it): on
+    loopback, a port free now, a token made for it (in its environment, never on its command line, where
+    `ps` shows it; the engines, spawned after, read it from theirs), allowed to reload checkpoints of
+    `checkpoint_dir` (--ref-sync-every) -> (the process, its URL). It dies with rank 0, even by SIGKILL
+    (PR_SET_PDEATHSIG); GenerationProcess notices if it dies first."""
+    port = free_port()
+    os.environ["REF_SERVER_TOKEN"] = secrets.token_hex(16)
+    gpu = device != "cpu"
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": device} if gpu else {})}
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ref_server.py"),
+           "--model", model, "--device", "cuda:0" if gpu else "cpu", "--port", str(port),
+           "--threads", str(threads), "--checkpoint-dir", os.path.abspath(checkpoint_dir)]
+    # Linux's parent-death signal: a SIGKILLed rank 0 takes its server with it
+    die_with_parent = lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+    return proc, f"http://127.0.0.1:{port}"
