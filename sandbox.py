@@ -19,24 +19,31 @@ every read) or 1 MiB of output the jail is killed whole (its PID namespace dies 
 in-process audit hook that was this file's defence is gone: the code it watched could patch it (issue 14), and
 inside the jail there is nothing left for it to guard.
 
-The child only computes, the parent judges. A test `assert E == V` (or `assert E`, `assert not E`) is split in
-the parent: the jail is sent E alone and writes back E's value as a Python literal of plain types (a tuple
-stays a tuple), read back with ast.literal_eval; the parent compares it with V, which
-never leaves the parent (nor do the reference solutions, which live in tasks.py). So nothing the completion
-does (an object whose __eq__ is always True, patched builtins, sys.exit(), printed fake results) passes a test
-without producing the right values. Result lines carry a random nonce only so that the completion's own
-prints are not taken for results.
+The child only computes, the parent judges. Each test `assert E` is parsed in the parent (split_test):
+the jail is sent only the parts of E that call or name the completion's code (`f(x, k=[1])`) and writes
+back their values, as JSON of plain types with each container tagged (a tuple stays a tuple); the parent
+reads them with a bounded parser (read_value: size, depth, hash collisions) and evaluates the rest of E
+itself with trusted builtins (judge): every comparison, sum, and/or/not and `in`. The expected values
+never leave the parent (nor do the reference solutions, which live in tasks.py), and nothing the
+completion does (an object whose __eq__ is always True, patched builtins or reporting helpers, the nonce
+read through sys._getframe and result lines forged with it, sys.exit()) passes a test without producing
+the right values. Result lines carry a random nonce only so that the completion's own prints are not
+taken for results.
 
 GRPO_UNJAILED=1 runs the same child without the jail (`python -I -S`, an empty environment, a temporary
 folder, the same resource limits): no isolation at all, for completions you trust, or inside a container of
 its own.
 """
 import ast
+import builtins
 import contextlib
 import errno
 import json
+import math
+import operator
 import os
 import platform
+import re
 import secrets
 import select
 import shutil
@@ -59,21 +66,20 @@ OUTPUT_CAP = 1 << 20   # bytes of the jail's output read at most
 
 PROLOGUE = r"""
 import json, os, resource, sys
-def _literal(v):
-    # the value as a Python literal of plain types (the parent reads it back with ast.literal_eval), so that
-    # what equality depends on crosses: a tuple is no list, {1: 2} no {"1": 2}; any other type raises
-    for base in (bool, int, float, complex, str, bytes):
-        if isinstance(v, base):
-            return base.__repr__(v)
-    if v is None:
-        return "None"
-    if isinstance(v, (tuple, list, set, frozenset)):
-        items = ", ".join(map(_literal, v))
-        if isinstance(v, tuple):
-            return f"({items},)" if v else "()"
-        return f"[{items}]" if isinstance(v, list) else f"{{{items}}}" if v else "set()"
+def _plain(v):
+    # the value as JSON of plain types, each container tagged with its type (a tuple stays a tuple, {1: 2}
+    # no {"1": 2}), read back by the parent's bounded parser (sandbox.read_value); any other type raises
+    if v is None or isinstance(v, (int, float, str)):
+        return v
+    if isinstance(v, complex):
+        return ["complex", float(v.real), float(v.imag)]
+    if isinstance(v, bytes):
+        return ["bytes", bytes.hex(v)]
+    for kind in (tuple, list, set, frozenset):
+        if isinstance(v, kind):
+            return [kind.__name__, *map(_plain, v)]
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{_literal(k)}: {_literal(x)}" for k, x in v.items()) + "}"
+        return ["dict", *(_plain(x) for pair in dict.items(v) for x in pair)]
     raise TypeError(type(v).__name__)
 def _main(nonce, code, exprs, cpu_s, mem_mb, nproc):
     limits = {"CPU": cpu_s, "AS": mem_mb << 20, "CORE": 0, "FSIZE": 1 << 20, "NOFILE": 64, "NPROC": nproc}
@@ -86,9 +92,12 @@ def _main(nonce, code, exprs, cpu_s, mem_mb, nproc):
         exec(compile(code, "<completion>", "exec"), ns)
     except BaseException:   # a crash or sys.exit() at import: the tests still run (and fail if need be)
         pass
+    # only the values of the calls into the completion: every comparison, sum or truth test of a test is
+    # the parent's (judge), so nothing here, patched or forged, decides whether a test passes
     for i, expr in enumerate(exprs):
-        try:   # the value must be plain data: an object of the completion's own class fails
-            os.write(1, f"\n{nonce} {i} {_literal(eval(expr, ns))}\n".encode())
+        try:
+            value = json.dumps(_plain(eval(expr, ns)), separators=(",", ":"))
+            os.write(1, f"\n{nonce} {i} {value}\n".encode())
         except BaseException:
             pass
 _main(*json.loads(sys.stdin.read()))
@@ -194,19 +203,187 @@ def check_jail() -> None:
         raise RuntimeError("the bubblewrap jail started but did not run a trivial program correctly")
 
 
-def split_test(test: str) -> tuple[str, bool, object]:
-    """'assert E == V' -> (E, False, V), 'assert E' -> (E, True, True), 'assert not E' -> (E, True, False):
-    what the child evaluates, whether only its truth counts, and the expected value, a Python literal (a
-    tuple stays a tuple). The tests are the task's own, so any other form is a bug (ValueError)."""
-    node = ast.parse(test).body[0]
-    if not isinstance(node, ast.Assert):
+# what the trainer evaluates itself in a test, with its own builtins: the rest goes to the jail
+TRUSTED = {name: getattr(builtins, name) for name in (
+    "abs", "all", "any", "bool", "float", "int", "isinstance", "len", "list", "max", "min", "round",
+    "sorted", "str", "sum", "tuple", "type")}
+MATH = {"isclose", "isnan", "isinf", "isfinite", "fabs", "sqrt", "floor", "ceil", "pi", "e", "inf", "nan"}
+# nodes the trainer evaluates (their children may still be the jail's)
+OWN = (ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.IfExp, ast.Tuple, ast.List,
+       ast.Set, ast.Dict, ast.Subscript, ast.Slice)
+# the parse of the jail's values: at most this many values and containers in one completion's, nested
+# this deep, and this many distinct values sharing one hash (more make a set or dict quadratic)
+MAX_NODES, MAX_DEPTH, MAX_COLLISIONS = 50_000, 64, 8
+CMP = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+       ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
+       ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
+BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+          ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+          ast.LShift: operator.lshift, ast.RShift: operator.rshift, ast.BitAnd: operator.and_,
+          ast.BitOr: operator.or_, ast.BitXor: operator.xor, ast.MatMult: operator.matmul}
+UNARY = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.invert}
+STRING = re.compile(r'"[^"]*"')   # a JSON string once its escaped backslashes and quotes are gone
+
+
+def hashed(kind, items):
+    """kind(items) for a set, frozenset or dict (items: its keys, or (key, value) pairs for a dict), once
+    no more than MAX_COLLISIONS distinct keys share a hash: keys of one hash (multiples of 2**61 - 1, or
+    tuples built to collide) make each insertion compare with all before it. ValueError if they do."""
+    items, seen = list(items), {}
+    for key in (pair[0] for pair in items) if kind is dict else items:
+        same = seen.setdefault(hash(key), [])
+        if not any(key == other for other in same):
+            same.append(key)
+            if len(same) > MAX_COLLISIONS:
+                raise ValueError("too many values share one hash")
+    return kind(items)
+
+
+def numeric_sum(items, start=0):
+    """sum() of numbers only: summing lists (sum(xs, [])) copies the total so far at each item."""
+    if not isinstance(start, (int, float, complex)):
+        raise ValueError("sum() of numbers only")
+    return sum(items, start)
+
+
+TRUSTED.update(set=lambda items=(): hashed(set, items), frozenset=lambda items=(): hashed(frozenset, items),
+               sum=numeric_sum)
+
+
+def split_test(test: str) -> tuple[ast.expr, list[str]]:
+    """'assert E' -> (E, the parts of E the jail computes). A part is a maximal subexpression that calls
+    into or names the completion's code (`f(x, k=[1])`, `X`, `obj.m()`); the trainer evaluates the rest
+    (judge): comparisons, arithmetic, and/or/not, containers, subscripts, TRUSTED's builtins and MATH's
+    math functions, so the expected values never enter the jail and no verdict comes out of it. Each part
+    is marked on its node (`node.jail`, its index). The tests are the task's own, so a test that is no
+    assert, or that needs a comprehension or a lambda of the trainer's, is a bug (ValueError)."""
+    body = ast.parse(test).body
+    if len(body) != 1 or not isinstance(body[0], ast.Assert):
         raise ValueError(f"not an assert: {test!r}")
-    e = node.test
-    if isinstance(e, ast.Compare) and len(e.ops) == 1 and isinstance(e.ops[0], ast.Eq):
-        return ast.unparse(e.left), False, ast.literal_eval(e.comparators[0])
-    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.Not):
-        return ast.unparse(e.operand), True, False
-    return ast.unparse(e), True, True
+    parts = []
+
+    def is_math(node):
+        return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id == "math" and node.attr in MATH)
+
+    def mark(node):
+        if isinstance(node, (ast.operator, ast.cmpop, ast.boolop, ast.unaryop, ast.expr_context)) or (
+                isinstance(node, ast.Name) and node.id in TRUSTED) or is_math(node):
+            return
+        if isinstance(node, ast.Call) and (is_math(node.func) or (
+                isinstance(node.func, ast.Name) and node.func.id in TRUSTED)):
+            children = [*node.args, *node.keywords]
+        elif isinstance(node, (ast.keyword, *OWN)) and not (isinstance(node, ast.Dict) and None in node.keys):
+            children = list(ast.iter_child_nodes(node))
+        elif isinstance(node, (ast.Name, ast.Call, ast.Attribute)):
+            node.jail = len(parts)
+            parts.append(ast.unparse(node))
+            return
+        else:
+            raise ValueError(f"{type(node).__name__} in a test the trainer cannot judge: {test!r}")
+        for child in children:
+            mark(child)
+    mark(body[0].test)
+    return body[0].test, parts
+
+
+def judge(node: ast.expr, values: dict):
+    """The value of a test's expression, evaluated here with trusted builtins; `values` holds what the jail
+    computed for each marked part (split_test), by index. Raises (KeyError for a part without a value,
+    ValueError for a result too big to build) where the test fails."""
+    value = lambda n: judge(n, values)
+    if hasattr(node, "jail"):
+        return values[node.jail]
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return TRUSTED[node.id]
+    if isinstance(node, ast.Attribute):
+        return getattr(math, node.attr)
+    if isinstance(node, ast.BoolOp):   # and/or stop at their first deciding value, as Python's
+        for item in node.values:
+            got = value(item)
+            if bool(got) == isinstance(node.op, ast.Or):
+                return got
+        return got
+    if isinstance(node, ast.Compare):
+        left = value(node.left)
+        for op, right in zip(node.ops, map(value, node.comparators)):
+            if not CMP[type(op)](left, right):
+                return False
+            left = right
+        return True
+    if isinstance(node, ast.UnaryOp):
+        return UNARY[type(node.op)](value(node.operand))
+    if isinstance(node, ast.BinOp):
+        return binary(node.op, value(node.left), value(node.right))
+    if isinstance(node, ast.IfExp):
+        return value(node.body) if value(node.test) else value(node.orelse)
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return (tuple if isinstance(node, ast.Tuple) else list)(map(value, node.elts))
+    if isinstance(node, ast.Set):
+        return hashed(set, map(value, node.elts))
+    if isinstance(node, ast.Dict):
+        return hashed(dict, zip(map(value, node.keys), map(value, node.values)))
+    if isinstance(node, ast.Subscript):
+        return value(node.value)[value(node.slice)]
+    if isinstance(node, ast.Slice):
+        return slice(*(None if n is None else value(n) for n in (node.lower, node.upper, node.step)))
+    func = TRUSTED[node.func.id] if isinstance(node.func, ast.Name) else getattr(math, node.func.attr)
+    return func(*map(value, node.args), **{k.arg: value(k.value) for k in node.keywords})
+
+
+def binary(op: ast.operator, a, b):
+    """a op b, refused (ValueError) where the jail's values would make it huge: a sequence repeated, a
+    power or a shift past OUTPUT_CAP bytes, or formatting a string (its width is the completion's)."""
+    sizes = [len(x) * y for x, y in ((a, b), (b, a)) if isinstance(x, (str, bytes, list, tuple))
+             and isinstance(y, int)] if isinstance(op, ast.Mult) else []
+    ints = isinstance(a, int) and isinstance(b, int)
+    if (any(n > OUTPUT_CAP for n in sizes) or (isinstance(op, ast.LShift) and ints and b > 8 * OUTPUT_CAP)
+            or (isinstance(op, ast.Pow) and ints and abs(a) > 1 and b * a.bit_length() > 8 * OUTPUT_CAP)
+            or (isinstance(op, ast.Mod) and isinstance(a, (str, bytes)))):
+        raise ValueError("too big")
+    return BINARY[type(op)](a, b)
+
+
+def read_value(text: str, budget: list[int]):
+    """A value the jail wrote (JSON of plain types, containers tagged: see PROLOGUE's _plain), read without
+    running anything and within bounds, counted before json parses it: budget[0] values at most (the rest
+    is taken off it, across the values of one completion), MAX_DEPTH deep, sets and dicts through
+    `hashed`, integers of at most sys.get_int_max_str_digits() digits. ValueError (TypeError for an
+    unhashable key, RecursionError for a nest too deep for json) otherwise."""
+    if len(text) > OUTPUT_CAP:
+        raise ValueError("longer than the jail may write")
+    # the counts must not see the text of strings ("," in "a,b"), when they matter: escapes go first, so
+    # that every quote left is a string's end, and the scan is linear (else a string starts at each one)
+    bare = text if text.count(",") < budget[0] else STRING.sub(
+        "", text.replace("\\\\", "").replace('\\"', ""))
+    budget[0] -= bare.count(",") + 1
+    if budget[0] < 0:
+        raise ValueError("too many values")
+    return tagged(json.loads(text), MAX_DEPTH)
+
+
+def tagged(value, depth: int):
+    """json's value with its tagged containers built (["tuple", 1, 2] -> (1, 2)), at most `depth` deep."""
+    if isinstance(value, dict):
+        raise ValueError("a JSON object: the jail writes dicts as tagged lists")
+    if not isinstance(value, list):
+        return value
+    if depth == 0:
+        raise ValueError("nested too deep")
+    tag, *rest = [tagged(x, depth - 1) for x in value] or [None]
+    if tag in ("list", "tuple"):
+        return rest if tag == "list" else tuple(rest)
+    if tag in ("set", "frozenset"):
+        return hashed(set if tag == "set" else frozenset, rest)
+    if tag == "dict" and len(rest) % 2 == 0:
+        return hashed(dict, zip(rest[::2], rest[1::2]))
+    if tag == "bytes" and len(rest) == 1 and isinstance(rest[0], str):
+        return bytes.fromhex(rest[0])
+    if tag == "complex" and len(rest) == 2 and all(type(x) is float for x in rest):
+        return complex(*rest)
+    raise ValueError(f"not a tagged container: {tag!r}")
 
 
 def read_output(fd: int, deadline: float) -> bytes:
@@ -234,7 +411,8 @@ def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int
     `nproc`: the most tasks (processes and threads) of the jail's user. RuntimeError if the jail did not start
     (bwrap missing or refused), naming bwrap's complaint."""
     checks, nonce = [split_test(t) for t in tests], secrets.token_hex(16)
-    payload = json.dumps([nonce, code, [expr for expr, _, _ in checks], cpu_s, mem_mb, nproc]).encode()
+    exprs = [part for _, parts in checks for part in parts]
+    payload = json.dumps([nonce, code, exprs, cpu_s, mem_mb, nproc]).encode()
     command = [os.path.realpath(sys.executable), "-I", "-S", "-c", PROLOGUE]
     unjailed, fds = os.environ.get(UNJAILED) == "1", []
     workdir = tempfile.TemporaryDirectory(prefix="grpo_sandbox_") if unjailed else contextlib.nullcontext("/")
@@ -274,18 +452,21 @@ def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int
         raise RuntimeError(f"the code reward's jail did not start (bubblewrap >= 0.8 with user namespaces is "
                            f"needed, or {UNJAILED}=1): {out[-2000:].decode('utf-8', 'replace').strip()}")
     for line in lines:
-        parts = line.split(" ", 2)
-        if len(parts) == 3 and parts[0] == nonce:
-            results.setdefault(parts[1], []).append(parts[2])
-    passed = 0
-    for i, (_, truth, want) in enumerate(checks):
-        got = results.get(str(i), [])
-        # none, or a second one: the completion found the nonce and offers a guess of its own
-        if len(got) != 1:
-            continue
+        fields = line.split(" ", 2)
+        if len(fields) == 3 and fields[0] == nonce:
+            results.setdefault(fields[1], []).append(fields[2])
+    passed, budget, first = 0, [MAX_NODES], 0
+    for expr, parts in checks:
+        values = {}
+        for k in range(len(parts)):
+            got = results.get(str(first + k), [])
+            # none, or a second one: the completion found the nonce and offers a guess of its own
+            if len(got) == 1:
+                with contextlib.suppress(ValueError, TypeError, RecursionError):
+                    values[k] = read_value(got[0], budget)
+        first += len(parts)
         try:
-            value = ast.literal_eval(got[0])   # plain data: literals only, nothing runs
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            continue
-        passed += (bool(value) if truth else value) == want
+            passed += bool(judge(expr, values))
+        except Exception:   # whatever a Python expression raises on these values: the test fails
+            pass
     return passed
