@@ -55,6 +55,13 @@ def device_list(text):
     return devices
 
 
+def at_least_one(text):
+    """--reward-workers "4" -> 4 (argparse names the flag when this raises)."""
+    if int(text) < 1:
+        raise ValueError(text)
+    return int(text)
+
+
 def add_system_args(p):
     """The flags that steer the machinery rather than the algorithm (grpo_train.py has those); and a bad
     flag's error in one line (argparse prints its whole usage first: 50 lines here)."""
@@ -88,6 +95,8 @@ def add_system_args(p):
     g.add_argument("--max-staleness", type=int, default=1,
                    help="batches vLLM may sample ahead of training (0: on-policy, no overlap)")
     g.add_argument("--max-skips", type=int, default=3, help="stop after this many non-finite steps in a row")
+    g.add_argument("--reward-workers", type=at_least_one, default=1,
+                   help="code reward: completions jailed at once (bounded by cores and memory)")
     g.add_argument("--threads", type=int, default=1,
                    help="torch threads of each training rank and of the generation process (CPU)")
     g.add_argument("--dist-timeout", type=float, default=60,

@@ -63,6 +63,7 @@ NO_SETPRIV = ("the trainer runs as root, so the code reward starts its jail as a
               f"trainer as another user, or set {UNJAILED}=1 to run completions unjailed, knowingly")
 TMP_MB = 16   # the jail's working folder is memory: bound it (RLIMIT_FSIZE bounds only one file)
 OUTPUT_CAP = 1 << 20   # bytes of the jail's output read at most
+JAIL_MB = 512 + TMP_MB   # the most memory one jail may hold: run_tests' mem_mb and its /tmp
 
 PROLOGUE = r"""
 import json, os, resource, sys
