@@ -38,11 +38,14 @@ import ast
 import builtins
 import contextlib
 import errno
+import grp
 import json
 import math
 import operator
 import os
 import platform
+import pwd
+import random
 import re
 import secrets
 import select
@@ -52,6 +55,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 UNJAILED = "GRPO_UNJAILED"
@@ -114,8 +118,34 @@ SECCOMP_ARCH = {"x86_64": (0xC000003E, 56, 435,
                            [57, 58, 29, 68, 64, 248, 249, 250, 321, 298, 323, 425, 426, 427]),
                 "aarch64": (0xC00000B7, 220, 435,
                             [194, 186, 190, 217, 218, 219, 280, 241, 282, 425, 426, 427])}
-# the completion's user and group ("nobody"), inside the jail and on the host: never root in any namespace
+# the completion's user and group inside the jail ("nobody"): never root in any namespace
 JAIL_ID = 65534
+# when the trainer is root, the jail's user and group on the host: one uid per running jail, never a host
+# account's (65534 is the host's "nobody", whose daemons could read and signal a jail), from a block of
+# HOST_UID_BLOCK that each process picks at random in HOST_UIDS, far above login accounts and the
+# subordinate ranges containers are given (from 100000)
+HOST_UIDS, HOST_UID_BLOCK = range(1 << 30, (1 << 31) - (1 << 16)), 1024
+_free_uids, _uid_lock = None, threading.Lock()
+
+
+@contextlib.contextmanager
+def host_uid():
+    """A host uid (the same number as its gid) for one jail as long as it runs, held by no other jail of
+    this process meanwhile: from this process's block (see HOST_UIDS), less any uid an account has."""
+    global _free_uids
+    with _uid_lock:
+        if _free_uids is None:   # this process's first jail
+            start = random.SystemRandom().randrange(HOST_UIDS.start, HOST_UIDS.stop, HOST_UID_BLOCK)
+            accounts = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
+            _free_uids = [u for u in range(start, start + HOST_UID_BLOCK) if u not in accounts]
+        if not _free_uids:
+            raise RuntimeError(f"more than {HOST_UID_BLOCK} jails at once")
+        uid = _free_uids.pop()
+    try:
+        yield uid
+    finally:
+        with _uid_lock:
+            _free_uids.append(uid)
 
 
 def seccomp_filter(machine: str) -> bytes:
@@ -152,9 +182,9 @@ def _system_binds(roots: list[str]) -> list[str]:
     return argv
 
 
-def jail_argv(bwrap: str, seccomp_fd: int, setpriv: str | None = None) -> list[str]:
+def jail_argv(bwrap: str, seccomp_fd: int, setpriv: str | None = None, uid: int = JAIL_ID) -> list[str]:
     """bwrap's arguments up to the command: see the module's docstring. `setpriv`: the trainer is root, and
-    this is util-linux's setpriv, which starts the jail's bwrap as JAIL_ID (see root_stage)."""
+    this is util-linux's setpriv, which starts the jail's bwrap as host user `uid` (see root_stage)."""
     python = os.path.realpath(sys.executable)
     # /usr (the C library and what else the interpreter links) and the Python installation, however installed
     # (a venv's interpreter resolves to its base; the standard library is under base_prefix)
@@ -167,15 +197,16 @@ def jail_argv(bwrap: str, seccomp_fd: int, setpriv: str | None = None) -> list[s
             "--seccomp", str(seccomp_fd), *_system_binds(roots),
             "--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev", "--size", str(TMP_MB << 20),
             "--tmpfs", "/tmp", "--chdir", "/tmp", "--remount-ro", "/", "--remount-ro", "/dev"]
-    return root_stage(bwrap, setpriv, roots) + argv if setpriv else argv
+    return root_stage(bwrap, setpriv, roots, uid) + argv if setpriv else argv
 
 
-def root_stage(bwrap: str, setpriv: str, roots: list[str]) -> list[str]:
-    """The command that starts the jail's bwrap as JAIL_ID when the trainer is root. bwrap started by root
-    maps the jail's user to the host's root (capabilities, host-wide /proc/sys, no RLIMIT_NPROC), so the
-    jail's bwrap must be started by an unprivileged user; but the Python installation may lie where that user
-    cannot look (root's home). This first bwrap, root's own and running nothing of the completion, makes a
-    mount namespace with what the jail binds, on paths anyone can walk, then setpriv drops to JAIL_ID."""
+def root_stage(bwrap: str, setpriv: str, roots: list[str], uid: int) -> list[str]:
+    """The command that starts the jail's bwrap as host user `uid` (host_uid) when the trainer is root.
+    bwrap started by root maps the jail's user to the host's root (capabilities, host-wide /proc/sys, no
+    RLIMIT_NPROC), so the jail's bwrap must be started by an unprivileged user; but the Python installation
+    may lie where that user cannot look (root's home). This first bwrap, root's own and running nothing of
+    the completion, makes a mount namespace with what the jail binds, on paths anyone can walk, then setpriv
+    drops to `uid`."""
     walkable = []   # every folder above a root, created world-searchable in the stage's empty root
     for r in roots:
         parts = r.strip(os.sep).split(os.sep)[:-1]
@@ -190,7 +221,7 @@ def root_stage(bwrap: str, setpriv: str, roots: list[str]) -> list[str]:
     # the jail's bwrap needs the host's /proc (to write its user namespace's maps) and /dev (for its own
     # /dev), and a /tmp to build its root in
     return argv + [*_system_binds(roots), "--bind", "/proc", "/proc", "--dev-bind", "/dev", "/dev",
-                   "--tmpfs", "/tmp", "--", setpriv, f"--reuid={JAIL_ID}", f"--regid={JAIL_ID}",
+                   "--tmpfs", "/tmp", "--", setpriv, f"--reuid={uid}", f"--regid={uid}",
                    "--clear-groups", "--"]
 
 
@@ -415,20 +446,21 @@ def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int
     exprs = [part for _, parts in checks for part in parts]
     payload = json.dumps([nonce, code, exprs, cpu_s, mem_mb, nproc]).encode()
     command = [os.path.realpath(sys.executable), "-I", "-S", "-c", PROLOGUE]
-    unjailed, fds = os.environ.get(UNJAILED) == "1", []
+    unjailed, fds, root = os.environ.get(UNJAILED) == "1", [], os.geteuid() == 0
     workdir = tempfile.TemporaryDirectory(prefix="grpo_sandbox_") if unjailed else contextlib.nullcontext("/")
-    with workdir as cwd:
+    uid = host_uid() if root and not unjailed else contextlib.nullcontext(JAIL_ID)
+    with workdir as cwd, uid as uid:
         try:
             if not unjailed:
                 bwrap, setpriv = shutil.which("bwrap"), shutil.which("setpriv")
                 if bwrap is None:
                     raise RuntimeError(NO_BWRAP)
-                if os.geteuid() == 0 and setpriv is None:
+                if root and setpriv is None:
                     raise RuntimeError(NO_SETPRIV)
                 fds = list(os.pipe())   # the seccomp program, read by bwrap from the pipe's end
                 os.write(fds[1], seccomp_filter(platform.machine()))
                 os.close(fds.pop())
-                command = jail_argv(bwrap, fds[0], setpriv if os.geteuid() == 0 else None) + ["--", *command]
+                command = jail_argv(bwrap, fds[0], setpriv if root else None, uid) + ["--", *command]
             proc = subprocess.Popen(command, cwd=cwd, env={}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds)
         finally:

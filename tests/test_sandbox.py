@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import platform
+import pwd
 import secrets
 import subprocess
 import sys
@@ -483,23 +484,59 @@ def test_the_completion_never_runs_as_root():
              "assert 'writable' not in SYSCTL"]
     assert sandbox.run_tests(code, tests) == 3
 
+    for uids, gids in jail_interpreters(1).values():
+        assert len(set(uids)) == 1 and set(uids) == set(gids) and uids[0] in sandbox.HOST_UIDS, (uids, gids)
+
+
+def jail_interpreters(n, while_running=lambda seen: None):
+    """Runs n jails at once, each a completion that sleeps: -> {pid: (uids, gids)} of their interpreters as
+    the host sees them, once all n run; while_running(that dict) is called then, while they still run."""
     before, seen = descendants(), {}
-    jail = threading.Thread(target=sandbox.run_tests, args=("import time\ntime.sleep(5)", ["assert 1"]),
-                            kwargs={"timeout_s": 120})
-    jail.start()
+    jails = [threading.Thread(target=sandbox.run_tests, args=("import time\ntime.sleep(8)", ["assert 1"]),
+                              kwargs={"timeout_s": 120}) for _ in range(n)]
+    for jail in jails:
+        jail.start()
     try:
-        while jail.is_alive() and not seen:   # the completion's interpreter, once it runs
+        while all(j.is_alive() for j in jails) and len(seen) < n:   # the interpreters, once they run
             for pid in descendants() - before:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p = psutil.Process(pid)
                     if p.cmdline()[:2] == [os.path.realpath(sys.executable), "-I"]:
                         seen[pid] = (p.uids(), p.gids())
             time.sleep(0.05)
+        assert len(seen) == n, f"{len(seen)} of the {n} jails' interpreters seen"
+        while_running(seen)
     finally:
-        jail.join()
-    assert seen, "the jail's interpreter was never seen"
-    for uids, gids in seen.values():
-        assert set(uids) == {NOBODY} and set(gids) == {NOBODY}, (uids, gids)
+        for jail in jails:
+            jail.join()
+    return seen
+
+
+# what a host process may do to a jail's process: read its environment, signal it, open its memory
+PEEK = """for pid in "$@"; do
+    cat /proc/$pid/environ >/dev/null 2>&1 && echo done || echo refused
+    kill -0 $pid 2>/dev/null && echo done || echo refused
+    (exec 3</proc/$pid/mem) 2>/dev/null && echo done || echo refused
+done"""
+
+
+def test_each_jail_has_a_host_uid_no_account_has():
+    """The jail ran as the host's "nobody" (65534): any host process of that user read a running jail's
+    environment, opened its memory and signalled it. Now each running jail has its own uid, from a range no
+    account uses; a process of the old shared user is refused all three (root, the same peek, is not)."""
+    accounts, answers = {p.pw_uid for p in pwd.getpwall()}, {}
+
+    def peek(seen):
+        for who, drop in (("nobody", ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]),
+                          ("root", [])):
+            out = subprocess.run([*drop, "sh", "-c", PEEK, "peek", *map(str, seen)], capture_output=True,
+                                 text=True, timeout=60)
+            answers[who] = out.stdout.split()
+
+    seen = jail_interpreters(2, peek)
+    uids = [uids[0] for uids, _ in seen.values()]
+    assert len(set(uids)) == 2 and not set(uids) & (accounts | {NOBODY}), uids
+    assert answers == {"nobody": ["refused"] * 6, "root": ["done"] * 6}, answers
 
 
 def test_rlimit_nproc_binds_in_the_jail():
