@@ -65,7 +65,17 @@ NO_BWRAP = ("the code reward runs each completion in a bubblewrap jail and `bwra
 NO_SETPRIV = ("the trainer runs as root, so the code reward starts its jail as an unprivileged user with "
               "util-linux's `setpriv`, which is not installed: `apt-get install util-linux`, or run the "
               f"trainer as another user, or set {UNJAILED}=1 to run completions unjailed, knowingly")
+# bwrap's words where user namespaces are refused: Docker's default seccomp profile ("No permissions to
+# create new namespace"), Ubuntu 24.04's AppArmor restriction ("setting up uid map: Permission denied")
+USERNS_REFUSED = re.compile(r"No permissions to create new namespace|Creating new namespace failed|"
+                            r"uid map: Permission denied|RTM_NEWADDR: Operation not permitted")
+USERNS_BLOCKED = ("user namespaces are refused here (Docker's default seccomp profile, or Ubuntu "
+                  "24.04's AppArmor restriction), so bubblewrap cannot make the code reward's jail: run the "
+                  "container with `docker run --security-opt seccomp=unconfined`, or on Ubuntu "
+                  "`sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0`, or set GRPO_UNJAILED=1 "
+                  "inside a container of its own, knowingly (no jail)")
 TMP_MB = 16   # the jail's working folder is memory: bound it (RLIMIT_FSIZE bounds only one file)
+TMP_FILES = 4096   # and its files: each costs the host's kernel memory whatever its size
 OUTPUT_CAP = 1 << 20   # bytes of the jail's output read at most
 JAIL_MB = 512 + TMP_MB   # the most memory one jail may hold: run_tests' mem_mb and its /tmp
 
@@ -86,7 +96,25 @@ def _plain(v):
     if isinstance(v, dict):
         return ["dict", *(_plain(x) for pair in dict.items(v) for x in pair)]
     raise TypeError(type(v).__name__)
-def _main(nonce, code, exprs, cpu_s, mem_mb, nproc):
+def _own_tmp(tmp_mb, tmp_files):
+    # a /tmp that bounds files as well as bytes (bwrap's --tmpfs takes no nr_inodes): a mount namespace of
+    # the jail's own user, with CAP_SYS_ADMIN and CAP_SETPCAP, which bwrap left for this alone; then every
+    # capability is dropped, the bounding set too, before the completion runs, or the jail stops here
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    options = f"size={tmp_mb}m,nr_inodes={tmp_files},mode=0700".encode()
+    # unshare(CLONE_NEWNS); mount with MS_NOSUID | MS_NODEV; prctl(PR_CAPBSET_DROP, cap); capset to none
+    mounted = libc.unshare(0x20000) == 0 and libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 6, options) == 0
+    for cap in range(64):
+        libc.prctl(24, cap, 0, 0, 0)
+    libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
+    caps = [l.split()[1] for l in open("/proc/self/status") if l.startswith("Cap")]
+    if not mounted or set(caps) != {"0" * 16}:
+        sys.exit(f"the jail's /tmp could not be made (errno {ctypes.get_errno()}), or capabilities stayed")
+    os.chdir("/tmp")
+def _main(nonce, code, exprs, cpu_s, mem_mb, nproc, tmp):
+    if tmp:
+        _own_tmp(*tmp)
     limits = {"CPU": cpu_s, "AS": mem_mb << 20, "CORE": 0, "FSIZE": 1 << 20, "NOFILE": 64, "NPROC": nproc}
     for name, val in limits.items():   # the hard limits too: in the jail nothing can raise them again
         resource.setrlimit(getattr(resource, "RLIMIT_" + name), (val, val))
@@ -194,6 +222,7 @@ def jail_argv(bwrap: str, seccomp_fd: int, setpriv: str | None = None, uid: int 
     # /proc/sys is the host's kernel settings, and bwrap (0.8) leaves it writable to a root in the jail
     argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
             "--new-session", "--clearenv", "--uid", str(JAIL_ID), "--gid", str(JAIL_ID), "--cap-drop", "ALL",
+            "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP",
             "--seccomp", str(seccomp_fd), *_system_binds(roots),
             "--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev", "--size", str(TMP_MB << 20),
             "--tmpfs", "/tmp", "--chdir", "/tmp", "--remount-ro", "/", "--remount-ro", "/dev"]
@@ -444,7 +473,8 @@ def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int
     (bwrap missing or refused), naming bwrap's complaint."""
     checks, nonce = [split_test(t) for t in tests], secrets.token_hex(16)
     exprs = [part for _, parts in checks for part in parts]
-    payload = json.dumps([nonce, code, exprs, cpu_s, mem_mb, nproc]).encode()
+    tmp = None if os.environ.get(UNJAILED) == "1" else [TMP_MB, TMP_FILES]
+    payload = json.dumps([nonce, code, exprs, cpu_s, mem_mb, nproc, tmp]).encode()
     command = [os.path.realpath(sys.executable), "-I", "-S", "-c", PROLOGUE]
     unjailed, fds, root = os.environ.get(UNJAILED) == "1", [], os.geteuid() == 0
     workdir = tempfile.TemporaryDirectory(prefix="grpo_sandbox_") if unjailed else contextlib.nullcontext("/")
@@ -481,6 +511,8 @@ def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int
             proc.stdout.close()
     # only whole lines: one cut at the cap or the deadline may be a prefix of another value ("12" of "123")
     lines, results = out.decode("utf-8", "replace").split("\n")[:-1], {}
+    if f"{nonce} ready" not in lines and USERNS_REFUSED.search(out[-2000:].decode("utf-8", "replace")):
+        raise RuntimeError(USERNS_BLOCKED)
     if f"{nonce} ready" not in lines:   # printed before the completion runs: what is here is bwrap's error
         raise RuntimeError(f"the code reward's jail did not start (bubblewrap >= 0.8 with user namespaces is "
                            f"needed, or {UNJAILED}=1): {out[-2000:].decode('utf-8', 'replace').strip()}")

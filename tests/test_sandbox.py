@@ -8,8 +8,10 @@ import os
 import platform
 import pwd
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tracemalloc
@@ -539,6 +541,18 @@ def test_each_jail_has_a_host_uid_no_account_has():
     assert answers == {"nobody": ["refused"] * 6, "root": ["done"] * 6}, answers
 
 
+def test_the_jails_tmp_bounds_files_too():
+    """/tmp bounded bytes, not files: 500,000 empty files in 3 s took 624 MiB of the host's kernel memory.
+    Creating files now stops at sandbox.TMP_FILES with ENOSPC, in the jail's working folder; the trusted
+    step that mounts it leaves the completion no capability."""
+    code = ("import os\nN, E = 0, None\ntry:\n    for i in range(100000):\n"
+            "        open(f'f{i}', 'w').close()\n        N += 1\nexcept OSError as e:\n    E = e.errno\n"
+            "CAPS = [l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')]\n")
+    tests = [f"assert {sandbox.TMP_FILES} - 16 < N < {sandbox.TMP_FILES}", "assert E == 28",
+             f"assert CAPS == {['0' * 16] * 5!r}", "assert os.getcwd() == '/tmp'"]
+    assert sandbox.run_tests(code, tests, timeout_s=30) == 4
+
+
 def test_rlimit_nproc_binds_in_the_jail():
     """As root RLIMIT_NPROC bound nothing: a completion held thousands of tasks (threads with small stacks,
     within RLIMIT_AS), bounded only by the host's pid_max."""
@@ -639,3 +653,57 @@ def test_the_judge_keeps_pythons_types():
              "assert misc() == [1, {3}, b'x', None, 1, 2j, {(1, 'a'): ()}, set()]"]
     assert sandbox.run_tests(code, tests) == 2
     assert sandbox.run_tests(code, tests[2:]) == 2
+
+
+# runs a command under a seccomp filter that refuses new user namespaces, as Docker's default profile does:
+# clone and unshare with CLONE_NEWUSER get EPERM, clone3 ENOSYS (x86_64's numbers)
+BLOCK_USERNS = """
+import ctypes, os, struct, sys
+ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
+allow, eperm, enosys = 0x7FFF0000, 0x00050001, 0x00050026
+prog = [(ld, 0, 0, 4), (jeq, 1, 0, 0xC000003E), (ret, 0, 0, allow), (ld, 0, 0, 0), (jeq, 0, 1, 435),
+        (ret, 0, 0, enosys), (jeq, 1, 0, 56), (jeq, 0, 3, 272), (ld, 0, 0, 16), (jset, 0, 1, 0x10000000),
+        (ret, 0, 0, eperm), (ret, 0, 0, allow)]
+code = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *i) for i in prog))
+class Program(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(38, 1, 0, 0, 0) == 0   # PR_SET_NO_NEW_PRIVS
+assert libc.prctl(22, 2, ctypes.byref(Program(len(prog), ctypes.addressof(code))), 0, 0) == 0
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+CHECK_JAIL = """
+import sandbox
+try:
+    sandbox.check_jail()
+    print('jailed')
+except RuntimeError as e:
+    print(e)
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not os.path.exists("/usr/bin/python3"),
+                    reason="the filter is x86_64's; the unprivileged user runs the system's Python")
+def test_where_user_namespaces_are_refused_the_run_says_what_to_run():
+    """Docker's default seccomp profile (simulated: a filter refusing CLONE_NEWUSER on the trainer) stops
+    bwrap. As root and as an unprivileged user, the check at start is then one line saying what to run;
+    without the filter, the same user gets its jail. sandbox.py imports no project module, so the
+    unprivileged user runs it from a folder of its own with the system's Python."""
+    folder = tempfile.mkdtemp(prefix="grpo_userns_", dir="/tmp")
+    try:
+        shutil.copy(os.path.join(ROOT, "sandbox.py"), folder)
+        open(os.path.join(folder, "block.py"), "w").write(BLOCK_USERNS)
+        os.chmod(folder, 0o755)
+        for name in os.listdir(folder):
+            os.chmod(os.path.join(folder, name), 0o644)
+        user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        python, blocked = "/usr/bin/python3", ["/usr/bin/python3", "block.py"]
+        said = {who: subprocess.run([*prefix, python, "-c", CHECK_JAIL], cwd=folder, capture_output=True,
+                                    text=True, timeout=120).stdout
+                for who, prefix in (("root", blocked), ("user", user + blocked), ("user, no filter", user))}
+    finally:
+        shutil.rmtree(folder)
+    assert said["user, no filter"] == "jailed\n"
+    for who in ("root", "user"):
+        assert said[who] == sandbox.USERNS_BLOCKED + "\n", (who, said[who])
+    assert "seccomp=unconfined" in said["root"] and "apparmor_restrict_unprivileged_userns=0" in said["root"]
