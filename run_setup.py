@@ -266,9 +266,9 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
         test = [rows[prompts[i]][0] for i in order[:eval_size]]
         held_out = {s["prompt"] for s in test}
         repeats, train_all = len(train_all) - len(rows), [s for s in train_all if s["prompt"] not in held_out]
-        folded = f"; {repeats} rows repeating a prompt folded into it" if repeats else ""
-        note = (f" (no test split: {eval_size} of its distinct prompts, a shuffle seeded {HOLD_OUT_SEED}, held "
-                f"out and never trained on{folded})")
+        folded = f"; split by prompt: {repeats} rows repeating a prompt folded into it" if repeats else ""
+        note = (f" (no test split: {eval_size} of its rows, a shuffle seeded {HOLD_OUT_SEED}, held out and "
+                f"never trained on{folded})")
     train_set, too_long = drop_long_prompts(train_all, tok, max_prompt_len)
     eval_set = drop_long_prompts(test, tok, max_prompt_len)[0][:eval_size]
     if not train_set:
