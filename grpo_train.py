@@ -180,10 +180,10 @@ def rollout(llm, next_prompts, n_prompts, args):
         outs = llm.generate([{"prompt_token_ids": s["prompt_ids"]} for s in picked], sampling,
                             use_tqdm=False)
         # score: every completion with every reward, plus the overlong penalty
-        for s, c in ((s, c) for s, o in zip(picked, outs) for c in o.outputs):
-            total, parts, n_err = rewards.score(decode(c.token_ids), s, spec)
-            parts["overlong"] = rewards.overlong_penalty(len(c.token_ids), args.max_new_tokens,
-                                                         args.overlong_buffer)
+        jobs = [(decode(c.token_ids), s, c) for s, o in zip(picked, outs) for c in o.outputs]
+        for (*_, c), (total, parts, n_err) in rewards.score_all(jobs, spec, args.reward_workers):
+            parts["overlong"] = rewards.overlong_penalty(
+                len(c.token_ids), args.max_new_tokens, args.overlong_buffer)
             scored.append((total + parts["overlong"], parts, n_err, c))
         # advantages within each group; filter: groups with equal rewards are dropped
         adv, signal = advantages([x[0] for x in scored[-size:]], args.group_size,

@@ -32,3 +32,28 @@ def base_model_view(model):
         return model
     state = dict(vllm_weights(model, model.state_dict().items()))
     return SimpleNamespace(config=model.config, state_dict=lambda: state)
+
+
+def adapter_targets(model, spec: str):
+    """--lora-targets "q_proj,v_proj" -> the names peft's LoraConfig matches (or "all-linear"). ValueError,
+    naming the flag, for a name that is empty, that no layer of the model has, or that names what LoRA does
+    not adapt here (a norm, a decoder block, an embedding): each must name linear layers."""
+    if spec == "all-linear":
+        return spec
+    kinds = {}   # a layer's last name -> the kinds of module under it
+    for name, module in model.named_modules():
+        kinds.setdefault(name.rsplit(".", 1)[-1], set()).add(type(module))
+    linear = sorted(n for n, k in kinds.items() if n and k == {torch.nn.Linear})
+    targets = spec.split(",")
+    for t in targets:
+        if not t.strip():
+            raise ValueError(f"--lora-targets {spec!r}: an empty name (names are comma-separated, e.g. "
+                             f"{','.join(linear[:2])}; or all-linear)")
+        if t not in kinds:
+            raise ValueError(f"--lora-targets: the model has no layer named {t}; its linear layers: "
+                             f"{', '.join(linear)}")
+        if kinds[t] != {torch.nn.Linear}:
+            what = ", ".join(sorted(k.__name__ for k in kinds[t]))
+            raise ValueError(f"--lora-targets: {t} is a {what}, not a linear layer (LoRA adapts linear "
+                             f"layers here: {', '.join(linear)})")
+    return targets

@@ -12,16 +12,20 @@
     code    fraction of sample["tests"] that pass after the code in the last <answer>...</answer> has run,
             in a bubblewrap jail (sandbox.py); nan (counted in reward/errors) when the jail could not run it
 
-Pick and weight them with --rewards "gsm8k,format:0.5" (parse_reward_spec) and combine them with score().
+Pick and weight them with --rewards "gsm8k,format:0.5" (parse_reward_spec) and combine them with score(), or
+score_all() for a batch (the code reward's jails --reward-workers at a time).
 """
 import ast
 import math
 import operator
+import os
 import re
 import sys
 import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
+from functools import partial
 
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
@@ -139,6 +143,8 @@ def code_reward(completion, sample):
         return math.nan
 
 
+# rewards whose work is a subprocess per completion, run --reward-workers at a time (score_all)
+PARALLEL = {"code"}
 REWARDS = {"format": format_reward, "gsm8k": gsm8k_reward, "demo": demo_reward, "countdown": countdown_reward,
            "code": code_reward}
 
@@ -169,25 +175,58 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     return out
 
 
+def reward_workers(wanted: int) -> int:
+    """--reward-workers, bounded by the machine: at most one jail per core this process may use, and one
+    per sandbox.JAIL_MB of the memory available (what a jail may take: its address space and /tmp)."""
+    with open("/proc/meminfo") as f:
+        available_kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    by_memory = (available_kb >> 10) // sandbox.JAIL_MB
+    return max(1, min(wanted, len(os.sched_getaffinity(0)), by_memory))
+
+
+def judged(fn, name: str, completion: str, sample: dict) -> float:
+    """fn(completion, sample) as a float; nan where it raised (its first traceback shown): a buggy reward
+    must not kill the run."""
+    try:
+        return float(fn(completion, sample))
+    except Exception:
+        if name not in _REPORTED:
+            _REPORTED.add(name)
+            print(f"reward {name!r} raised (scored 0, counted in reward/errors; shown once):\n"
+                  f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return math.nan
+
+
+def score_all(items: list, spec_list: list[tuple[str, float]], workers: int = 1) -> list:
+    """[(completion, sample, ...)] -> [(item, (total, components, n_errors))] in order, each as score()
+    gives it. The rewards of PARALLEL (each completion a subprocess: the code reward's jail) run `workers`
+    completions at a time on threads (--reward-workers, bounded by reward_workers), the same scores as one
+    at a time; the others run here, one at a time (gsm8k's timeout needs the main thread)."""
+    items, columns = list(items), {}
+    threads = reward_workers(workers) if any(name in PARALLEL for name, _ in spec_list) else 1
+    completions, samples = [item[0] for item in items], [item[1] for item in items]
+    with ThreadPoolExecutor(threads) as pool:
+        for name, _ in spec_list:
+            fn = partial(judged, REWARDS[name], name)   # an unknown name is a programming error: KeyError
+            run = pool.map if name in PARALLEL and threads > 1 else map
+            columns[name] = list(run(fn, completions, samples))
+    out = []
+    for i, item in enumerate(items):
+        total, components, n_errors = 0.0, {}, 0
+        for name, weight in spec_list:
+            r = columns[name][i]
+            if not math.isfinite(r):
+                r, n_errors = 0.0, n_errors + 1
+            components[name] = r
+            total += weight * r
+        out.append((item, (total, components, n_errors)))
+    return out
+
+
 def score(completion: str, sample: dict, spec_list: list[tuple[str, float]]) -> tuple[float, dict, int]:
     """-> (total, components, n_errors).
 
     total is the weighted sum; components maps each reward name to its unweighted value (logged as
     reward/<name>). A reward that raises or returns a non-finite value counts as 0.0 and adds 1 to
     n_errors."""
-    total, components, n_errors = 0.0, {}, 0
-    for name, weight in spec_list:
-        fn = REWARDS[name]  # an unknown name is a programming error: let the KeyError out
-        try:
-            r = float(fn(completion, sample))
-        except Exception:   # a buggy reward must not kill the run: counted, its first traceback shown
-            if name not in _REPORTED:
-                _REPORTED.add(name)
-                print(f"reward {name!r} raised (scored 0, counted in reward/errors; shown once):\n"
-                      f"{traceback.format_exc()}", file=sys.stderr, flush=True)
-            r = math.nan
-        if not math.isfinite(r):
-            r, n_errors = 0.0, n_errors + 1
-        components[name] = r
-        total += weight * r
-    return total, components, n_errors
+    return score_all([(completion, sample)], spec_list)[0][1]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lora import adapter_targets
 from placement import SHARED_GEN_MEM, reference_device, training_gpus
 from rewards import parse_reward_spec
 from ref_client import server_urls, url_error
@@ -54,6 +55,13 @@ def device_list(text):
     if len(set(devices)) != len(devices) or min(devices) < 0:
         raise ValueError(text)
     return devices
+
+
+def at_least_one(text):
+    """--reward-workers "4" -> 4 (argparse names the flag when this raises)."""
+    if int(text) < 1:
+        raise ValueError(text)
+    return int(text)
 
 
 def add_system_args(p):
@@ -95,6 +103,8 @@ def add_system_args(p):
     g.add_argument("--max-staleness", type=int, default=1,
                    help="batches vLLM may sample ahead of training (0: on-policy, no overlap)")
     g.add_argument("--max-skips", type=int, default=3, help="stop after this many non-finite steps in a row")
+    g.add_argument("--reward-workers", type=at_least_one, default=1,
+                   help="code reward: completions jailed at once (bounded by cores and memory)")
     g.add_argument("--threads", type=int, default=1,
                    help="torch threads of each training rank and of the generation process (CPU)")
     g.add_argument("--dist-timeout", type=float, default=60,
@@ -202,11 +212,12 @@ def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_ta
     model_name, tok = model, AutoTokenizer.from_pretrained(model)
     model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype)
     if lora_rank:
-        # peft matches targets by name and ignores one that matches nothing while another matches
-        targets = "all-linear" if lora_targets == "all-linear" else lora_targets.split(",")
-        layers = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-        if unknown := [t for t in targets if t not in layers] if targets != "all-linear" else []:
-            raise SystemExit(f"grpo_train.py: --lora-targets: {model_name} has no layer named {', '.join(unknown)}")
+        # peft matches targets by name, ignores one that matches nothing while another matches, and
+        # raises a traceback on a norm or a whole block: each name is checked first
+        try:
+            targets = adapter_targets(model, lora_targets)
+        except ValueError as e:
+            raise SystemExit(f"grpo_train.py: {e} ({model_name})") from None
         # no dropout: the probe and the on-policy ratio need the forward pass vLLM computes; A starts random
         # (B at zero), from --seed, so that a run repeats
         torch.manual_seed(seed)
@@ -256,9 +267,9 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
                  **_):
     """-> (train samples, held-out samples, number of prompts skipped for being over max_prompt_len).
     Each sample has its prompt's token ids ("prompt_ids", from drop_long_prompts), which vLLM is given.
-    Data without a test split gives eval_size rows of its train split to the held-out set (a shuffle seeded
-    HOLD_OUT_SEED), never trained on. A mistake in the data stops the run with one line. Rank 0 says what
-    was loaded."""
+    Data without a test split gives eval_size distinct prompts of its train split to the held-out set (a
+    shuffle seeded HOLD_OUT_SEED), never trained on, whatever rows repeat them. A mistake in the data
+    stops the run with one line. Rank 0 says what was loaded."""
     try:
         train_all, test = [load_task(task, split, data=data, seed=seed, tokenizer=tok, prompt_key=prompt_key,
                                      answer_key=answer_key, chat_template=chat_template)
@@ -267,14 +278,22 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
         stop_with(e)
     source, note = f"--task {task}" + (f" --data {data}" if data else ""), ""
     if test is None:
-        if len(train_all) <= eval_size:
-            stop_with(f"{source} has no test split and {len(train_all)} records: --eval-size {eval_size} "
+        # split by distinct prompt: a row repeating a prompt goes where the prompt goes, so that no prompt
+        # is both held out and trained on; a held-out prompt is evaluated once
+        rows = {}
+        for s in train_all:
+            rows.setdefault(s["prompt"], []).append(s)
+        if len(rows) <= eval_size:
+            stop_with(f"{source} has no test split and {len(rows)} distinct prompts: --eval-size {eval_size} "
                       f"held out of them would leave none to train on (pass a smaller --eval-size)")
-        order = random.Random(HOLD_OUT_SEED).sample(range(len(train_all)), len(train_all))
-        test = [train_all[i] for i in order[:eval_size]]
-        train_all = [train_all[i] for i in sorted(order[eval_size:])]
+        prompts = list(rows)
+        order = random.Random(HOLD_OUT_SEED).sample(range(len(prompts)), len(prompts))
+        test = [rows[prompts[i]][0] for i in order[:eval_size]]
+        held_out = {s["prompt"] for s in test}
+        repeats, train_all = len(train_all) - len(rows), [s for s in train_all if s["prompt"] not in held_out]
+        folded = f"; split by prompt: {repeats} rows repeating a prompt folded into it" if repeats else ""
         note = (f" (no test split: {eval_size} of its rows, a shuffle seeded {HOLD_OUT_SEED}, held out and "
-                f"never trained on)")
+                f"never trained on{folded})")
     train_set, too_long = drop_long_prompts(train_all, tok, max_prompt_len)
     eval_set = drop_long_prompts(test, tok, max_prompt_len)[0][:eval_size]
     if not train_set:

@@ -96,14 +96,25 @@ def data_file(data: str, split: str) -> str | None:
 
 def read_records(path: str) -> list[tuple[str, dict]]:
     """(where, record) for each record of a JSONL or Parquet file, where = "path:line" (or "path row i"), so
-    that an error names the place; a bad line is a DataError naming the file and line."""
+    that an error names the place; a bad line (not JSON, not UTF-8) or an unreadable Parquet file is a
+    DataError naming the file and line."""
     if path.endswith(".parquet"):
-        import datasets
-        return [(f"{path} row {i}", r) for i, r in enumerate(datasets.load_dataset("parquet", data_files=path,
-                                                                                   split="train"), 1)]
+        import pyarrow
+        import pyarrow.parquet
+        try:
+            rows = pyarrow.parquet.read_table(path).to_pylist()
+        except (pyarrow.ArrowException, OSError) as e:
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DataError(f"{path}: not a readable Parquet file ({why})") from None
+        return [(f"{path} row {i}", r) for i, r in enumerate(rows, 1)]
     out = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{i}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                f"{e.start + 1}): save the file as UTF-8") from None
             if line.strip():
                 try:
                     out.append((f"{path}:{i}", json.loads(line.rstrip("\n"))))

@@ -12,10 +12,26 @@ from run_setup import LORA_TARGETS, load_policy
 
 def test_a_lora_target_the_model_lacks_is_named(tiny_model):
     """peft alone would train q_proj and say nothing of a mistyped qq_proj beside it."""
-    with pytest.raises(SystemExit, match="--lora-targets: .* has no layer named qq_proj$"):
+    with pytest.raises(SystemExit, match="--lora-targets: the model has no layer named qq_proj; its linear "
+                                         "layers: .*q_proj"):
         load_policy(tiny_model, lora_rank=4, lora_targets="q_proj,qq_proj")
     model, _ = load_policy(tiny_model, lora_rank=4, lora_targets="all-linear")
     assert any(".lora_A." in name for name, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("targets,expected", [
+    ("input_layernorm", "input_layernorm is a Qwen2RMSNorm, not a linear layer"),
+    ("q_proj,mlp", "mlp is a Qwen2MLP, not a linear layer"),
+    ("0", "0 is a Qwen2DecoderLayer, not a linear layer"),
+    ("", "--lora-targets '': an empty name"),
+    ("q_proj,", "--lora-targets 'q_proj,': an empty name")])
+def test_a_lora_target_that_is_no_linear_layer_is_one_line(tiny_model, targets, expected):
+    """A norm, a decoder block or an empty name went through to peft, which raised a traceback."""
+    with pytest.raises(SystemExit) as stop:
+        load_policy(tiny_model, lora_rank=4, lora_targets=targets)
+    message = str(stop.value.code)
+    assert message.startswith("grpo_train.py: --lora-targets") and expected in message, message
+    assert "\n" not in message
 
 
 def test_only_the_adapters_get_gradients_with_and_without_gradient_checkpointing(tiny_model):

@@ -1,4 +1,5 @@
 import math
+import os
 import threading
 
 import pytest
@@ -116,3 +117,47 @@ def test_last_answer():
     assert rewards.last_answer("<answer>a</answer><answer>b</answer>") == "b"
     assert rewards.last_answer("<answer>a<answer>b</answer>") == "b"
     assert rewards.last_answer("</answer><answer>") is None
+
+
+CODE_ANSWERS = ["def add(a, b):\n    return a + b", "def add(a, b):\n    return a + b if a > 0 else 1",
+                "def add(a, b):\n    return 3", "import os\nos._exit(0)", "while True:\n    pass", "def add(a, b) return"]
+
+
+def test_reward_workers_run_jails_at_once_with_the_serial_scores(monkeypatch):
+    """--reward-workers N: the code reward's jails run N at a time (bounded by the cores and the memory),
+    and every completion gets the score it gets alone, in order. The overlap is counted, not timed."""
+    tests = {"tests": ["assert add(1, 2) == 3", "assert add(-5, 5) == 0", "assert add(10, 32) == 42"]}
+    items = [(f"<think>.</think><answer>{code}</answer>", tests, i) for i, code in enumerate(CODE_ANSWERS * 2)]
+    items.append(("no answer", tests, len(items)))
+    spec = parse_reward_spec("code,format:0.5")
+    serial = rewards.score_all(items, spec, workers=1)
+    assert [item for item, _ in serial] == items
+    assert [s[1] for s in serial] == [score(text, sample, spec) for text, sample, _ in items]
+    assert [s[1]["code"] for _, s in serial[:6]] == [1.0, 2 / 3, 1 / 3, 0.0, 0.0, 0.0]
+
+    active, most, lock, run_tests = [0], [0], threading.Lock(), rewards.sandbox.run_tests
+
+    def counted(*args, **kwargs):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        try:
+            return run_tests(*args, **kwargs)
+        finally:
+            with lock:
+                active[0] -= 1
+    monkeypatch.setattr(rewards.sandbox, "run_tests", counted)
+    assert rewards.score_all(items, spec, workers=8) == serial
+    bound = rewards.reward_workers(8)
+    assert 1 <= bound <= min(8, len(os.sched_getaffinity(0))) and most[0] == bound
+    assert rewards.reward_workers(10 ** 6) <= len(os.sched_getaffinity(0))
+
+
+def test_the_reward_workers_flag(capsys):
+    from grpo_train import get_args
+    assert get_args(["--model", "m", "--reward-workers", "4"]).reward_workers == 4
+    assert get_args(["--model", "m"]).reward_workers == 1   # one jail at a time unless asked
+    with pytest.raises(SystemExit):
+        get_args(["--model", "m", "--reward-workers", "0"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--reward-workers" in err

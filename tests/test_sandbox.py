@@ -6,11 +6,15 @@ import contextlib
 import math
 import os
 import platform
+import pwd
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import tracemalloc
 
 import psutil
 import pytest
@@ -62,12 +66,146 @@ def test_every_reference_solution_passes_its_tests():
         assert s["prompt"].startswith("<|im_start|>system") and "<answer>" in s["prompt"]
 
 
-def test_split_test():
-    assert sandbox.split_test("assert f(1, 'a') == (3, [None])") == ("f(1, 'a')", False, (3, [None]))
-    assert sandbox.split_test("assert is_even(4)") == ("is_even(4)", True, True)
-    assert sandbox.split_test("assert not is_even(7)") == ("is_even(7)", True, False)
-    with pytest.raises(ValueError):
-        sandbox.split_test("x = add(1, 2)")
+def test_split_test_sends_only_the_calls_into_the_completion():
+    """The jail gets the parts of a test that name or call the completion's code; the comparisons, the
+    arithmetic, and/or/not, `in`, the expected values and the trusted builtins stay with the trainer."""
+    parts = lambda test: sandbox.split_test(test)[1]
+    assert parts("assert f(1, 'a') == (3, [None])") == ["f(1, 'a')"]
+    assert parts("assert abs(area(r=2) - 12.566) < 1e-3") == ["area(r=2)"]
+    assert parts("assert is_even(4) and not is_even(7)") == ["is_even(4)", "is_even(7)"]
+    assert parts("assert 3 in divisors(6) or X") == ["divisors(6)", "X"]
+    assert parts("assert math.isclose(area(1), 3.14159, rel_tol=1e-4)") == ["area(1)"]
+    assert parts("assert sorted(set(f([3, 1])))[0]==1") == ["f([3, 1])"]
+    assert parts("assert Solution().f(g(2)) == 3") == ["Solution().f(g(2))"]
+    for bad in ("x = add(1, 2)", "assert all(f(x) == 1 for x in [1, 2])", "assert f(1) == [*g()]"):
+        with pytest.raises(ValueError):
+            sandbox.split_test(bad)
+
+
+# every form of test the tasks ship: the code task's (== and bare truth), MBPP's (no spaces, math.isclose),
+# a float tolerance, and/or, not, in, keyword arguments, subscripts
+FORMS = ["assert area(2) > 12 and area(r=2) < 13", "assert abs(area(2) - 12.566) < 1e-3",
+         "assert math.isclose(area(1), 3.14159, rel_tol=1e-4)", "assert is_even(4) and not is_even(7)",
+         "assert not is_even(3) or is_even(5)", "assert 3 in divisors(6)", "assert 5 not in divisors(6)",
+         "assert divisors(n=6)==[1, 2, 3, 6]", "assert divisors(12)[-1] == 12 == max(divisors(12))",
+         "assert sorted(set(divisors(4)), reverse=True) == [4, 2, 1]", "assert is_even(0)"]
+FORMS_RIGHT = ("import math\ndef area(r):\n    return math.pi * r * r\n"
+               "def is_even(n):\n    return n % 2 == 0\n"
+               "def divisors(n):\n    return [d for d in range(1, n + 1) if n % d == 0]")
+
+
+def test_every_form_of_test_is_judged_by_the_trainer():
+    assert sandbox.run_tests(FORMS_RIGHT, FORMS) == len(FORMS)
+    # each wrong solution fails exactly the tests that its values fail
+    wrong_area = FORMS_RIGHT.replace("math.pi * r * r", "3.14 * r * r")
+    assert sandbox.run_tests(wrong_area, FORMS[:3]) == 1   # 12.56: inside 12..13 only
+    odd = FORMS_RIGHT.replace("n % 2 == 0", "n % 2 == 1")
+    assert sandbox.run_tests(odd, FORMS[3:5]) == 1   # not is_even(3) is False, is_even(5) True
+    no_last = FORMS_RIGHT.replace("range(1, n + 1)", "range(1, n)")
+    assert sandbox.run_tests(no_last, FORMS[5:10]) == 2   # 3 in, 5 not in: the others miss n
+
+
+# a completion that solves nothing and forges every value as true: it finds the nonce in the prologue's
+# frame and writes the result lines itself, then leaves before the prologue's own; or it replaces the
+# prologue's reporting helper (whatever it is called) so that every value reported is true
+FORGE_TRUE = """
+import os, sys
+_caller = sys._getframe(1).f_locals
+_true = 'true' if '_plain' in vars(sys.modules['__main__']) else 'True'
+for _i in range(len(_caller['exprs'])):
+    os.write(1, f"\\n{_caller['nonce']} {_i} {_true}\\n".encode())
+os._exit(0)
+"""
+REPLACE_REPORTER = """
+import sys
+_main_module = sys.modules['__main__']
+_main_module._plain = lambda value: True
+_main_module._literal = lambda value: 'True'
+def area(r):
+    return 0
+def is_even(n):
+    return 0
+def divisors(n):
+    return []
+"""
+
+
+@pytest.mark.parametrize("cheat", [FORGE_TRUE, REPLACE_REPORTER])
+def test_forging_or_patching_the_report_scores_zero(cheat):
+    """Where the jail judged `assert E` itself and the trainer took its word for the truth, both cheats
+    scored 3 of 3 on tests they do not solve. Now the jail reports only the values of the calls."""
+    tests = ["assert abs(area(2) - 12.566) < 1e-3", "assert is_even(4) and not is_even(7)",
+             "assert 3 in divisors(6)"]
+    assert sandbox.run_tests(cheat, tests) == 0
+    assert sandbox.run_tests(FORMS_RIGHT, tests) == 3
+
+
+def test_the_trainer_refuses_to_build_huge_results():
+    """The trainer's own arithmetic on the jail's values is bounded: a string repeated, a power, a shift
+    past the output cap, sum() of lists (quadratic) and formatting with the completion's string fail the
+    test instead of taking the trainer's memory or time; the same operations within bounds pass."""
+    code = ("def s():\n    return 'x' * 100\ndef n():\n    return 10 ** 9\n"
+            "def lists():\n    return [[0]] * 2000")
+    tests = ["assert s() * n() != ''", "assert 3 ** n() > 0", "assert 1 << n() > 0",
+             "assert sum(lists(), []) != []", "assert s() % () != ''"]
+    assert sandbox.run_tests(code, tests) == 0
+    within = ["assert s() * 3 == 'x' * 300", "assert sum([n(), 1]) == 10 ** 9 + 1"]
+    assert sandbox.run_tests(code, within) == 2
+
+
+COLLIDE = 2 ** 61 - 1   # hash(k * COLLIDE) == 0 for every integer k: a set of them is quadratic to build
+
+
+def bounded(read, text):
+    """read(text) must refuse (ValueError): -> (CPU seconds, peak bytes allocated) it took to do so."""
+    tracemalloc.start()
+    cpu = time.process_time()
+    try:
+        with pytest.raises(ValueError):
+            read(text)
+        return time.process_time() - cpu, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_jails_values_are_read_within_bounds():
+    """The trainer read each value with ast.literal_eval: a 1 MiB line of a set of colliding hashes took
+    8.9 s of its CPU, a list of empty lists +484 MiB of its memory. Now the value is counted before it is
+    parsed and sets and dicts of colliding keys are refused: both fail fast, in little memory, and a
+    million empty lists, more than the jail may write, at once."""
+    collide = '["set",' + ",".join(str(k * COLLIDE) for k in range((1 << 20) // 26)) + "]"
+    empties = '["list",' + ",".join(['["list"]'] * ((1 << 20) // 9 - 1)) + "]"
+    assert len(collide) < 1 << 20 and len(empties) < 1 << 20
+    million = '["list",' + ",".join(['["list"]'] * 10 ** 6) + "]"   # more than the jail may write
+    for text in (collide, empties, million):
+        cpu, peak = bounded(lambda t: sandbox.read_value(t, [sandbox.MAX_NODES]), text)
+        assert cpu < 1 and peak < 16 << 20, (cpu, peak)
+    # deep nests, JSON objects, untagged or unknown containers, too many digits: refused
+    for bad in ('["list",' * 70 + "1" + "]" * 70, '{"a": 1}', '["list",{"a": 1}]', "[1, 2]",
+                '["range", 3]', "9" * 5000, "[1"):
+        with pytest.raises((ValueError, RecursionError)):
+            sandbox.read_value(bad, [100])
+    # what honest code returns still reads back, with its types
+    text = ('["dict","k",["tuple",1,2.5,null,true],'
+            '["frozenset",1],["list",["bytes","ff"],["complex",0.0,2.0]]]')
+    assert sandbox.read_value(text, [100]) == {"k": (1, 2.5, None, True), frozenset({1}): [b"\xff", 2j]}
+
+
+def test_a_forged_line_of_colliding_hashes_costs_the_trainer_little():
+    """The same attack through the jail: a completion finds the nonce and writes a 1 MiB value (in the
+    prologue's format, whichever it is) for its test, then leaves; the trainer refuses it quickly."""
+    code = f"""
+import os, sys
+_caller = sys._getframe(1).f_locals
+_items = [str(k * {COLLIDE}) for k in range({(1 << 20) // 26})]
+_json = '_plain' in vars(sys.modules['__main__'])
+_value = '["set",' + ','.join(_items) + ']' if _json else '{{' + ', '.join(_items) + '}}'
+os.write(1, f"\\n{{_caller['nonce']}} 0 {{_value}}\\n".encode())
+os._exit(0)
+"""
+    cpu = time.process_time()
+    assert sandbox.run_tests(code, ["assert f() != {0}"], timeout_s=30) == 0
+    assert time.process_time() - cpu < 2
 
 
 def test_partial_credit_and_no_answer():
@@ -348,23 +486,71 @@ def test_the_completion_never_runs_as_root():
              "assert 'writable' not in SYSCTL"]
     assert sandbox.run_tests(code, tests) == 3
 
+    for uids, gids in jail_interpreters(1).values():
+        assert len(set(uids)) == 1 and set(uids) == set(gids) and uids[0] in sandbox.HOST_UIDS, (uids, gids)
+
+
+def jail_interpreters(n, while_running=lambda seen: None):
+    """Runs n jails at once, each a completion that sleeps: -> {pid: (uids, gids)} of their interpreters as
+    the host sees them, once all n run; while_running(that dict) is called then, while they still run."""
     before, seen = descendants(), {}
-    jail = threading.Thread(target=sandbox.run_tests, args=("import time\ntime.sleep(5)", ["assert 1"]),
-                            kwargs={"timeout_s": 120})
-    jail.start()
+    jails = [threading.Thread(target=sandbox.run_tests, args=("import time\ntime.sleep(8)", ["assert 1"]),
+                              kwargs={"timeout_s": 120}) for _ in range(n)]
+    for jail in jails:
+        jail.start()
     try:
-        while jail.is_alive() and not seen:   # the completion's interpreter, once it runs
+        while all(j.is_alive() for j in jails) and len(seen) < n:   # the interpreters, once they run
             for pid in descendants() - before:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p = psutil.Process(pid)
                     if p.cmdline()[:2] == [os.path.realpath(sys.executable), "-I"]:
                         seen[pid] = (p.uids(), p.gids())
             time.sleep(0.05)
+        assert len(seen) == n, f"{len(seen)} of the {n} jails' interpreters seen"
+        while_running(seen)
     finally:
-        jail.join()
-    assert seen, "the jail's interpreter was never seen"
-    for uids, gids in seen.values():
-        assert set(uids) == {NOBODY} and set(gids) == {NOBODY}, (uids, gids)
+        for jail in jails:
+            jail.join()
+    return seen
+
+
+# what a host process may do to a jail's process: read its environment, signal it, open its memory
+PEEK = """for pid in "$@"; do
+    cat /proc/$pid/environ >/dev/null 2>&1 && echo done || echo refused
+    kill -0 $pid 2>/dev/null && echo done || echo refused
+    (exec 3</proc/$pid/mem) 2>/dev/null && echo done || echo refused
+done"""
+
+
+def test_each_jail_has_a_host_uid_no_account_has():
+    """The jail ran as the host's "nobody" (65534): any host process of that user read a running jail's
+    environment, opened its memory and signalled it. Now each running jail has its own uid, from a range no
+    account uses; a process of the old shared user is refused all three (root, the same peek, is not)."""
+    accounts, answers = {p.pw_uid for p in pwd.getpwall()}, {}
+
+    def peek(seen):
+        for who, drop in (("nobody", ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]),
+                          ("root", [])):
+            out = subprocess.run([*drop, "sh", "-c", PEEK, "peek", *map(str, seen)], capture_output=True,
+                                 text=True, timeout=60)
+            answers[who] = out.stdout.split()
+
+    seen = jail_interpreters(2, peek)
+    uids = [uids[0] for uids, _ in seen.values()]
+    assert len(set(uids)) == 2 and not set(uids) & (accounts | {NOBODY}), uids
+    assert answers == {"nobody": ["refused"] * 6, "root": ["done"] * 6}, answers
+
+
+def test_the_jails_tmp_bounds_files_too():
+    """/tmp bounded bytes, not files: 500,000 empty files in 3 s took 624 MiB of the host's kernel memory.
+    Creating files now stops at sandbox.TMP_FILES with ENOSPC, in the jail's working folder; the trusted
+    step that mounts it leaves the completion no capability."""
+    code = ("import os\nN, E = 0, None\ntry:\n    for i in range(100000):\n"
+            "        open(f'f{i}', 'w').close()\n        N += 1\nexcept OSError as e:\n    E = e.errno\n"
+            "CAPS = [l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')]\n")
+    tests = [f"assert {sandbox.TMP_FILES} - 16 < N < {sandbox.TMP_FILES}", "assert E == 28",
+             f"assert CAPS == {['0' * 16] * 5!r}", "assert os.getcwd() == '/tmp'"]
+    assert sandbox.run_tests(code, tests, timeout_s=30) == 4
 
 
 def test_rlimit_nproc_binds_in_the_jail():
@@ -467,3 +653,57 @@ def test_the_judge_keeps_pythons_types():
              "assert misc() == [1, {3}, b'x', None, 1, 2j, {(1, 'a'): ()}, set()]"]
     assert sandbox.run_tests(code, tests) == 2
     assert sandbox.run_tests(code, tests[2:]) == 2
+
+
+# runs a command under a seccomp filter that refuses new user namespaces, as Docker's default profile does:
+# clone and unshare with CLONE_NEWUSER get EPERM, clone3 ENOSYS (x86_64's numbers)
+BLOCK_USERNS = """
+import ctypes, os, struct, sys
+ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06
+allow, eperm, enosys = 0x7FFF0000, 0x00050001, 0x00050026
+prog = [(ld, 0, 0, 4), (jeq, 1, 0, 0xC000003E), (ret, 0, 0, allow), (ld, 0, 0, 0), (jeq, 0, 1, 435),
+        (ret, 0, 0, enosys), (jeq, 1, 0, 56), (jeq, 0, 3, 272), (ld, 0, 0, 16), (jset, 0, 1, 0x10000000),
+        (ret, 0, 0, eperm), (ret, 0, 0, allow)]
+code = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *i) for i in prog))
+class Program(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(38, 1, 0, 0, 0) == 0   # PR_SET_NO_NEW_PRIVS
+assert libc.prctl(22, 2, ctypes.byref(Program(len(prog), ctypes.addressof(code))), 0, 0) == 0
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+CHECK_JAIL = """
+import sandbox
+try:
+    sandbox.check_jail()
+    print('jailed')
+except RuntimeError as e:
+    print(e)
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not os.path.exists("/usr/bin/python3"),
+                    reason="the filter is x86_64's; the unprivileged user runs the system's Python")
+def test_where_user_namespaces_are_refused_the_run_says_what_to_run():
+    """Docker's default seccomp profile (simulated: a filter refusing CLONE_NEWUSER on the trainer) stops
+    bwrap. As root and as an unprivileged user, the check at start is then one line saying what to run;
+    without the filter, the same user gets its jail. sandbox.py imports no project module, so the
+    unprivileged user runs it from a folder of its own with the system's Python."""
+    folder = tempfile.mkdtemp(prefix="grpo_userns_", dir="/tmp")
+    try:
+        shutil.copy(os.path.join(ROOT, "sandbox.py"), folder)
+        open(os.path.join(folder, "block.py"), "w").write(BLOCK_USERNS)
+        os.chmod(folder, 0o755)
+        for name in os.listdir(folder):
+            os.chmod(os.path.join(folder, name), 0o644)
+        user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        python, blocked = "/usr/bin/python3", ["/usr/bin/python3", "block.py"]
+        said = {who: subprocess.run([*prefix, python, "-c", CHECK_JAIL], cwd=folder, capture_output=True,
+                                    text=True, timeout=120).stdout
+                for who, prefix in (("root", blocked), ("user", user + blocked), ("user, no filter", user))}
+    finally:
+        shutil.rmtree(folder)
+    assert said["user, no filter"] == "jailed\n"
+    for who in ("root", "user"):
+        assert said[who] == sandbox.USERNS_BLOCKED + "\n", (who, said[who])
+    assert "seccomp=unconfined" in said["root"] and "apparmor_restrict_unprivileged_userns=0" in said["root"]

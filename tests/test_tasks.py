@@ -270,7 +270,8 @@ def test_data_without_a_test_split_holds_out_eval_size_rows_never_trained_on(tmp
     assert answers(load_prompts(tmp_path / "my.jsonl", seed=7)[1]) == answers(held_out)
     assert answers(held_out) not in ({str(i) for i in range(10)}, {str(i) for i in range(40, 50)})
     out = capsys.readouterr().out
-    assert "40 prompts to train on" in out and "no test split: 10 of its rows" in out and "never trained on" in out
+    assert "40 prompts to train on" in out and "no test split: 10 of its rows" in out
+    assert "never trained on)" in out
     with pytest.raises(SystemExit) as stop:   # nothing left to train on: one line, no traceback
         load_prompts(tmp_path / "my.jsonl", eval_size=50)
     err = capsys.readouterr().err
@@ -293,10 +294,41 @@ def test_data_mistakes_stop_the_run_with_one_line(tmp_path, capsys):
 def test_prompts_too_long_through_the_chat_template_say_why(tmp_path, capsys):
     """Issue 23: a 6-token prompt became longer than --max-prompt-len 16 with the chat template, and the run
     stopped without saying why; --chat-template none trains on the prompts as they are."""
-    write_jsonl(tmp_path / "my.jsonl", [{"prompt": "12+34=", "answer": "46"}] * 12)
+    sums = [{"prompt": f"{i}+34=", "answer": str(i + 34)} for i in range(10, 22)]
+    write_jsonl(tmp_path / "my.jsonl", sums)
     with pytest.raises(SystemExit):
         load_prompts(tmp_path / "my.jsonl", max_prompt_len=16, eval_size=2)
     err = capsys.readouterr().err
     assert "all 10 are longer than --max-prompt-len 16 tokens" in err and "--chat-template none" in err
     train, held_out, _ = load_prompts(tmp_path / "my.jsonl", max_prompt_len=16, eval_size=2, chat_template="none")
-    assert [s["prompt"] for s in train] == ["12+34="] * 10 and len(held_out) == 2
+    assert len(train) == 10 and all(s["prompt"].endswith("+34=") for s in train) and len(held_out) == 2
+
+
+def test_duplicated_prompts_never_leak_into_the_held_out_split(tmp_path, capsys):
+    """With each prompt twice in a file, the rows were held out one by one: every held-out prompt was also
+    trained on, and nothing was said. The split is by distinct prompt; the line says how many rows repeat."""
+    rows = [{"prompt": f"question {i}", "answer": str(i)} for i in range(50)]
+    write_jsonl(tmp_path / "twice.jsonl", rows + rows[::-1])
+    train, held_out, _ = load_prompts(tmp_path / "twice.jsonl", eval_size=10)
+    prompts = lambda samples: [s["prompt"] for s in samples]
+    assert len(held_out) == len(set(prompts(held_out))) == 10
+    assert not set(prompts(train)) & set(prompts(held_out)) and len(train) == 80
+    line = [x for x in capsys.readouterr().out.splitlines() if "held out" in x]
+    assert len(line) == 1 and line[0].endswith(
+        "never trained on; split by prompt: 50 rows repeating a prompt folded into it)")
+
+
+def test_unreadable_files_are_one_line_naming_the_file(tmp_path, capsys):
+    """A Latin-1 file raised UnicodeDecodeError, a corrupt Parquet file ArrowInvalid: tracebacks."""
+    latin = '{"prompt": "q", "answer": "a"}\n{"prompt": "café", "answer": "b"}\n'.encode("latin-1")
+    (tmp_path / "latin.jsonl").write_bytes(latin)
+    with pytest.raises(tasks.DataError, match=r"latin.jsonl:2: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        tasks.load_task("custom", "train", data=str(tmp_path / "latin.jsonl"), tokenizer=TOK)
+    (tmp_path / "train.parquet").write_bytes(b"PAR1" + os.urandom(2000))
+    with pytest.raises(tasks.DataError, match=r"train.parquet: not a readable Parquet file \(.+\)$"):
+        tasks.load_task("gsm8k", "train", data=str(tmp_path / "train.parquet"), tokenizer=TOK)
+    for path in (tmp_path / "latin.jsonl", tmp_path / "train.parquet"):
+        with pytest.raises(SystemExit):
+            load_prompts(path)
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err and path.name in err
