@@ -1,6 +1,6 @@
 """The reference server's client, as the trainer's engines call it: ref_logps (split across servers
 and within each one's limits), reload_reference, wait_for_server. The wire format is ref_server.py's
-own (encode_request, decode_response): both sides use one definition of it."""
+(its REQUEST_KEYS, read_body, decode_request): encode_request and decode_response build on it."""
 import json
 import math
 import os
@@ -11,8 +11,30 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 import torch
+from safetensors.torch import save as st_save
 
-from ref_server import decode_response, encode_request
+from ref_server import REQUEST_KEYS, WireError, read_body
+
+
+def encode_request(prompts, completions, temperature) -> bytes:
+    """The /logps body that ref_server.decode_request reads: REQUEST_KEYS as int32, temperature."""
+    seqs = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
+    columns = ([t for s in seqs for t in s], [len(s) for s in seqs], [len(p) for p in prompts])
+    return st_save({k: torch.tensor(v, dtype=torch.int32) for k, v in zip(REQUEST_KEYS, columns)},
+                   metadata={"temperature": repr(float(temperature))})
+
+
+def decode_response(body: bytes, completion_lens: list[int]) -> list[torch.Tensor]:
+    """Answer body (ref_server.encode_response) -> one float32 tensor of log-probs per completion.
+    Raises WireError."""
+    tensors, _ = read_body(body)
+    t = tensors.get("logps")
+    if t is None or set(tensors) != {"logps"} or t.dtype != torch.float32 or t.dim() != 1:
+        raise WireError(f"answer must hold exactly one 1-D float32 'logps', got {list(tensors)}")
+    if len(t) != sum(completion_lens):
+        raise WireError(f"answer has {len(t)} log-probs, expected {sum(completion_lens)}")
+    return list(t.split(list(completion_lens)))
+
 
 
 class RefServerError(RuntimeError):

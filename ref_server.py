@@ -2,22 +2,14 @@
 
     python ref_server.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda:0 --port 59875
 
-GET  /health -> {"status": "ok", "model", "vocab_size", "fingerprint", "max_seqs", "max_tokens",
-                 "max_seq_len", "max_body"}: the limits let a client split a batch to fit
-POST /logps  -> body and answer in the wire format (the four functions under "wire format", which
-                the client, ref_client.py, imports from here): a safetensors buffer of int32
-                `input_ids` (every prompt+completion, concatenated), `seq_lens` and `prompt_lens`
-                (B,), metadata {"temperature": "1.0"} -> float32 `logps` of the completion tokens
-POST /reload -> {"path": "..."}: load the weights of that HF checkpoint folder (under
-                --checkpoint-dir) into the served model; needs a token; weights never cross the wire
-Every error is a 4xx/5xx with a JSON body {"error": "..."} (docs/reference-server.md lists them).
-This file imports no other file of the project: copy it alone to the reference machine.
+GET /health (the model, its fingerprint, the limits), POST /logps (token ids in, log-probs out, in
+the wire format below), POST /reload (a checkpoint folder under --checkpoint-dir): each, and each
+error (JSON), in docs/reference-server.md. Imports no project file: copy it alone to the machine.
 """
 import argparse
 import errno
 import hashlib
 import hmac
-import http
 import ipaddress
 import json
 import math
@@ -39,8 +31,7 @@ from waitress.utilities import Error
 REQUEST_KEYS = ("input_ids", "seq_lens", "prompt_lens")
 # below this, logits / T overflow float32 (1e-45 gave -inf, 1e-300 NaN); samplers call it greedy
 MIN_TEMPERATURE = 1e-3
-# one forward pass's bounds (--micro-batch, --max-forward-tokens): the token budget bounds memory;
-# the row limit keeps short sequences in few passes (a demo batch: 2, docs/reference-server.md)
+# a forward pass's most rows and padded tokens: the token budget is what bounds memory
 MICRO_BATCH, MAX_FORWARD_TOKENS = 64, 8192
 # the config fields model_fingerprint hashes (a /reload compares the whole config: check_config)
 ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -50,21 +41,13 @@ MAX_HEAD = 2**16
 
 class WireError(ValueError):
     """An invalid request, /reload folder or answer; `status`: the HTTP code it is answered with."""
-
     def __init__(self, msg, status=400):
         super().__init__(msg)
         self.status = status
 
 # ----------------------------------------------------------------------------- wire format
 
-def encode_request(prompts, completions, temperature) -> bytes:
-    seqs = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
-    return st_save({"input_ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
-                    "seq_lens": torch.tensor([len(s) for s in seqs], dtype=torch.int32),
-                    "prompt_lens": torch.tensor([len(p) for p in prompts], dtype=torch.int32)},
-                   metadata={"temperature": repr(float(temperature))})
-
-def _load(body: bytes) -> tuple[dict, dict]:
+def read_body(body: bytes) -> tuple[dict, dict]:
     """A safetensors buffer -> (tensors, metadata); any failure is the sender's: WireError."""
     if not body:
         raise WireError("empty body")
@@ -79,15 +62,17 @@ def _load(body: bytes) -> tuple[dict, dict]:
     return tensors, meta or {}
 
 def decode_request(body, *, vocab_size, max_seqs, max_tokens, max_seq_len=None):
-    """Validate a request body -> (prompts, completions, temperature). Raises WireError (400, 413).
-    max_seq_len: the model's context length (None: no limit)."""
-    tensors, meta = _load(body)
+    """A /logps body -> (prompts, completions, temperature), or WireError (400, 413). The body: a
+    safetensors buffer of int32 `input_ids` (every prompt+completion, concatenated), `seq_lens` and
+    `prompt_lens` (B,), metadata {"temperature": "1.0"}. max_seq_len: None, no limit."""
+    tensors, meta = read_body(body)
     if extra := set(tensors) - set(REQUEST_KEYS):
         raise WireError(f"unexpected tensors {sorted(extra)}; expected {list(REQUEST_KEYS)}")
-    for name, t in ((k, tensors.get(k)) for k in REQUEST_KEYS):
-        if t is None or t.dtype != torch.int32 or t.dim() != 1:
-            raise WireError(f"missing tensor {name!r}" if t is None else
-                            f"{name} must be a 1-D int32 tensor, got {t.dtype} {list(t.shape)}")
+    for name in REQUEST_KEYS:
+        if name not in tensors:
+            raise WireError(f"missing tensor {name!r}")
+        if (t := tensors[name]).dtype != torch.int32 or t.dim() != 1:
+            raise WireError(f"{name} must be a 1-D int32 tensor, got {t.dtype} {list(t.shape)}")
     ids, seq_lens, prompt_lens = (tensors[k].long() for k in REQUEST_KEYS)
     B = len(seq_lens)
     if B == 0:
@@ -97,10 +82,9 @@ def decode_request(body, *, vocab_size, max_seqs, max_tokens, max_seq_len=None):
     if B > max_seqs or len(ids) > max_tokens:
         raise WireError(f"{B} sequences, {len(ids)} tokens > limit {max_seqs} sequences, "
                         f"{max_tokens} tokens", 413)
-    if (seq_lens <= 0).any():
-        raise WireError("seq_lens must be > 0")
-    if seq_lens.sum().item() != len(ids):
-        raise WireError(f"sum(seq_lens)={seq_lens.sum().item()} != len(input_ids)={len(ids)}")
+    if (seq_lens <= 0).any() or seq_lens.sum().item() != len(ids):
+        raise WireError(f"seq_lens must be > 0 and sum to len(input_ids)={len(ids)}, got "
+                        f"sum(seq_lens)={seq_lens.sum().item()}")
     # positions the model was never trained on
     if max_seq_len and seq_lens.max() > max_seq_len:
         raise WireError(f"a sequence of {seq_lens.max().item()} tokens > the model's context "
@@ -122,39 +106,29 @@ def decode_request(body, *, vocab_size, max_seqs, max_tokens, max_seq_len=None):
             [s[p:] for s, p in zip(seqs, prompt_lens.tolist())], temperature)
 
 def encode_response(logps: list[torch.Tensor]) -> bytes:
+    """The /logps answer: one float32 `logps` of every completion token, concatenated."""
     flat = [t.detach().float().flatten().cpu() for t in logps]
     return st_save({"logps": torch.cat(flat).contiguous() if flat else torch.zeros(0)})
-
-def decode_response(body: bytes, completion_lens: list[int]) -> list[torch.Tensor]:
-    """Answer body -> one float32 tensor of log-probs per completion. Raises WireError."""
-    tensors, _ = _load(body)
-    t = tensors.get("logps")
-    if t is None or set(tensors) != {"logps"} or t.dtype != torch.float32 or t.dim() != 1:
-        raise WireError(f"answer must hold exactly one 1-D float32 'logps', got {list(tensors)}")
-    if len(t) != sum(completion_lens):
-        raise WireError(f"answer has {len(t)} log-probs, expected {sum(completion_lens)}")
-    return list(t.split(list(completion_lens)))
 
 # ----------------------------------------------------------------------------- model side
 
 def missing_folder(model) -> str | None:
-    """Why --model cannot be loaded, or None: it is meant as a local folder (a hub id is "org/name";
-    anything else with a slash, or starting with . / ~, is a path) and there is none."""
-    local = model.startswith((".", "/", "~")) or model.count("/") > 1
-    return f"--model {model}: no such folder" if local and not os.path.isdir(
-        os.path.expanduser(model)) else None
+    """Why --model cannot be loaded: a path (. / ~ first, or two slashes: a hub id is "org/name")
+    that names no folder."""
+    path = model.startswith((".", "/", "~")) or model.count("/") > 1
+    if path and not os.path.isdir(os.path.expanduser(model)):
+        return f"--model {model}: no such folder"
 
 def exposure_error(host, token, insecure) -> str | None:
-    """Why serving on `host` is refused, or None. A host other than loopback ('localhost',
-    127.0.0.0/8, ::1; a host name could resolve to anything) needs a token or --insecure."""
+    """Why serving on `host` is refused, or None: a host other than loopback (a host name could
+    resolve to anything) needs a token or --insecure."""
     try:
         loopback = host.lower() == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = False
-    return None if token or insecure or loopback else (
-        f"--host {host} is reachable from other machines, but no token is set: anyone who can "
-        "reach the port could use the server. Set REF_SERVER_TOKEN (or --token), bind 127.0.0.1, "
-        "or pass --insecure.")
+    if not (token or insecure or loopback):
+        return (f"--host {host} is reachable from other machines, but no token is set: set "
+                "REF_SERVER_TOKEN (or --token), bind 127.0.0.1, or pass --insecure.")
 
 def model_fingerprint(model, samples=64) -> str:
     """Short hash of the architecture (ARCH_KEYS) and of every weight: per tensor, in name order,
@@ -172,8 +146,8 @@ def model_fingerprint(model, samples=64) -> str:
     return h.hexdigest()[:16]
 
 def default_dtype(device) -> str:
-    """bfloat16 on a GPU that computes in it natively (Ampere and later), else float32:
-    is_bf16_supported() alone (torch 2.13) counts slow emulation too. The trainer picks the same."""
+    """bfloat16 on a GPU that computes in it natively (is_bf16_supported() alone, torch 2.13,
+    counts slow emulation too), else float32, as the trainer picks."""
     cuda = str(device).startswith("cuda")
     native = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
     return "bfloat16" if native else "float32"
@@ -187,29 +161,26 @@ def load_model(path, device="cpu", dtype="auto"):
                                                  use_safetensors=True)
     return model.to(device).eval().requires_grad_(False)
 
-def pad(prompts, completions):
-    """Left-pad the prompts and right-pad the completions, so every completion starts at column P
-    -> input_ids, attention_mask (B, P+T). Pad id 0: the mask, not the id, marks padding."""
+@torch.no_grad()
+def forward_logps(model, prompts, completions, temperature, chunk=512):
+    """float32 log-probs at `temperature` of the completion tokens (B, T): grpo_train's numbers (a
+    test checks). Prompts left-padded, completions right-padded (id 0: the mask marks padding);
+    the lm_head runs on `chunk` tokens at a time, so the (B, T, vocab) logits are never held."""
     P, T = max(map(len, prompts)), max(map(len, completions))
     input_ids = torch.zeros(len(prompts), P + T, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for i, (p, c) in enumerate(zip(prompts, completions)):
         input_ids[i, P - len(p):P + len(c)] = torch.tensor(p + c)
         attention_mask[i, P - len(p):P + len(c)] = 1
-    return input_ids, attention_mask
-
-@torch.no_grad()
-def forward_logps(model, input_ids, attention_mask, n_completion, temperature, chunk=512):
-    """float32 log-prob at `temperature` of each of the last `n_completion` tokens of every row:
-    the numbers grpo_train.completion_logps computes (a test checks). The lm_head runs on `chunk`
-    tokens at a time, so the (B, T, vocab) logits are never all held."""
+    device = next(model.parameters()).device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     # left padding: positions start at 0 per row
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     # get_decoder / get_output_embeddings (transformers 5.19): the body and lm_head of any causal LM
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                  position_ids=position_ids, use_cache=False).last_hidden_state
-    hidden = hidden[:, -n_completion - 1:-1]
-    targets = input_ids[:, -n_completion:]
+    hidden = hidden[:, P - 1:-1]
+    targets = input_ids[:, P:]
     out = []
     for h, t in zip(hidden.flatten(0, 1).split(chunk), targets.flatten().split(chunk)):
         logits = model.get_output_embeddings()(h).float() / temperature
@@ -218,8 +189,8 @@ def forward_logps(model, input_ids, attention_mask, n_completion, temperature, c
 
 def micro_batches(lengths, max_seqs, max_tokens) -> list[list[int]]:
     """(prompt_len, completion_len) per sequence -> index lists, one per forward pass, sorted by
-    length (little padding), each at most `max_seqs` rows and `max_tokens` padded tokens. A longer
-    sequence goes alone: unpadded, it needs no attention mask (whose memory grows with width^2)."""
+    length, each at most `max_seqs` rows and `max_tokens` padded tokens, or one longer sequence
+    (unpadded, it needs no attention mask, whose memory grows with width^2)."""
     batches, cur, P, T = [], [], 0, 0
     for i in sorted(range(len(lengths)), key=lambda i: sum(lengths[i])):
         p, t = max(P, lengths[i][0]), max(T, lengths[i][1])
@@ -233,29 +204,27 @@ def micro_batches(lengths, max_seqs, max_tokens) -> list[list[int]]:
 def compute_logps(model, prompts, completions, temperature, micro_batch=MICRO_BATCH,
                   max_forward_tokens=MAX_FORWARD_TOKENS):
     """Each completion's float32 log-probs, in input order, a bounded micro-batch at a time."""
-    device, out = next(model.parameters()).device, [None] * len(prompts)
+    out = [None] * len(prompts)
     for idx in micro_batches([(len(p), len(c)) for p, c in zip(prompts, completions)],
                              micro_batch, max_forward_tokens):
-        input_ids, attention_mask = pad([prompts[i] for i in idx], [completions[i] for i in idx])
-        lp = forward_logps(model, input_ids.to(device), attention_mask.to(device),
-                           max(len(completions[i]) for i in idx), temperature)
+        lp = forward_logps(model, [prompts[i] for i in idx], [completions[i] for i in idx],
+                           temperature)
         for row, i in enumerate(idx):
             out[i] = lp[row, :len(completions[i])].float().cpu()
     return out
 
 # ----------------------------------------------------------------------------- /reload's checks
 
-# config.json fields in which a checkpoint may differ from the served config, as none changes what
-# the model computes: who wrote it, from where, a class name (the served class runs), the dtype
-# (--dtype decides), use_cache (never used). Any other field must be equal (to_dict(): defaults too)
+# config.json fields that do not change what the model computes (docs/reference-server.md: why)
 CONFIG_KEYS_IGNORED = ("transformers_version", "_name_or_path", "architectures", "dtype",
                        "torch_dtype", "use_cache")
 # NONBLOCK: a FIFO never blocks
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
-def _open_folder(path, checkpoint_dir) -> tuple[str, int]:
-    """(absolute path, descriptor) of folder `path`, opened one component at a time from
-    `checkpoint_dir` (which `path` may name by its absolute or real path), none a symlink."""
+def _open_folder(path, checkpoint_dir, fds) -> str:
+    """Folder `path` opened one component at a time from `checkpoint_dir` (which `path` may name
+    by its absolute or real path), none a symlink, each descriptor appended to `fds` (the folder's
+    last) -> its absolute path."""
     if "\0" in path:
         raise WireError("the path holds a NUL byte")
     # lexical: '..' cannot climb out, and below the root no symlink passes
@@ -264,26 +233,21 @@ def _open_folder(path, checkpoint_dir) -> tuple[str, int]:
     root = next((r for r in roots if os.path.commonpath([folder, r]) == r), None)
     if root is None:
         raise WireError(f"{path!r} is not under the server's --checkpoint-dir", 403)
-    fd = None
     for part in [roots[1]] + os.path.relpath(folder, root).split(os.sep):
-        parent = fd
+        parent = fds[-1] if fds else None
         try:
             # O_NOFOLLOW refuses a symlink (swapped in after this lstat too); the lstat says why
-            if fd and stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+            if fds and stat.S_ISLNK(os.stat(part, dir_fd=parent, follow_symlinks=False).st_mode):
                 raise WireError(f"{path!r} is not under the server's --checkpoint-dir: "
                                 f"{part!r} is a symlink", 403)
-            fd = os.open(part, OPEN_FLAGS | os.O_DIRECTORY, dir_fd=parent)
+            fds.append(os.open(part, OPEN_FLAGS | os.O_DIRECTORY, dir_fd=parent))
         except OSError as e:
             raise WireError(f"{path!r} is not a checkpoint folder ({part!r}: {e.strerror})") from e
-        finally:
-            if parent is not None:
-                os.close(parent)
-    return folder, fd
+    return folder
 
 def _open_file(folder_fd, name, fds, max_bytes=2**62) -> int:
     """Descriptor (appended to `fds`) of regular file `name` in the folder: no symlink, one link
-    only (a hard link may be a file outside the folder), at most `max_bytes` long. Raises
-    FileNotFoundError or WireError."""
+    (a hard link may be a file outside), at most `max_bytes`. Or FileNotFoundError, WireError."""
     if name in (".", "..") or "/" in name or "\0" in name:
         raise WireError(f"{name!r} is not under the server's --checkpoint-dir: not a name", 403)
     try:
@@ -334,9 +298,9 @@ def check_config(config, served_config):
                         f"{str(other)[:300]}", 422)
 
 def _checked_shard(fd, shard, state) -> safe_open:
-    """Shard `shard` on descriptor `fd`: its header read and validated by safetensors 0.8.0 (offsets
-    within the file, no overlap, no hole), its names, shapes and float dtypes checked against the
-    served tensors', before any tensor data is read. Raises WireError 422."""
+    """Shard `shard` on descriptor `fd`, its header validated by safetensors 0.8.0 (offsets within
+    the file, no overlap, no hole), its names, shapes and float dtypes checked against the served
+    tensors', before any tensor data is read. Raises WireError 422."""
     try:
         # the magic link reopens the very file the descriptor holds, whatever its name is now
         f = safe_open(f"/proc/self/fd/{fd}", framework="pt")
@@ -353,14 +317,13 @@ def _checked_shard(fd, shard, state) -> safe_open:
 
 def read_checkpoint(path, checkpoint_dir, model) -> tuple[str, dict]:
     """Checkpoint folder `path` under `checkpoint_dir` -> (its absolute path, a complete, finite
-    state dict for `model`, on the CPU in its dtypes). Each file is opened once and checked on its
-    descriptor; every check passes before any tensor data is read. Of tied weights one is enough (as
-    save_pretrained writes); with both, the first in the model's order wins, as transformers 5.19's
-    tie_weights does. Raises WireError: 400, 403 or 422."""
-    state = model.state_dict()
-    folder, folder_fd = _open_folder(path, checkpoint_dir)
-    fds = [folder_fd]
+    state dict for `model`, on the CPU), every check passed before any tensor data is read. Tied
+    weights: one is enough; with both, the first in the model's order wins (as transformers 5.19's
+    tie_weights). Raises WireError: 400, 403 or 422."""
+    state, fds = model.state_dict(), []
     try:
+        folder = _open_folder(path, checkpoint_dir, fds)
+        folder_fd = fds[-1]
         try:
             check_config(_read_json(folder_fd, "config.json", fds, 2**20), model.config)
         except FileNotFoundError as e:
@@ -369,21 +332,20 @@ def read_checkpoint(path, checkpoint_dir, model) -> tuple[str, dict]:
             # ~100 bytes per tensor
             index = _read_json(folder_fd, "model.safetensors.index.json", fds, 2**10 * len(state))
             shards = index.get("weight_map")
-            if not (isinstance(shards, dict) and 0 < len(set(shards.values())) <= len(state)
-                    and all(isinstance(v, str) for v in shards.values())):
+            shards = list(shards.values()) if isinstance(shards, dict) else []
+            if not (shards and all(isinstance(s, str) for s in shards)
+                    and len(set(shards)) <= len(state)):
                 raise WireError("model.safetensors.index.json has no weight_map of tensor names "
                                 f"to at most {len(state)} file names", 422)
-            shards = sorted(set(shards.values()))
         except FileNotFoundError:
             shards = ["model.safetensors"]
         files = {}
-        for shard in shards:
+        for shard in sorted(set(shards)):
             try:
                 f = _checked_shard(_open_file(folder_fd, shard, fds), shard, state)
             except FileNotFoundError as e:
-                raise WireError(f"{path!r} has no {shard} (model.safetensors or the shards its "
-                                "index names); .bin and .pt checkpoints are never loaded: they can "
-                                "run code", 422) from e
+                raise WireError(f"{path!r} has no {shard}; .bin and .pt checkpoints are never "
+                                "loaded: they can run code", 422) from e
             if twice := sorted(files.keys() & set(f.keys())):
                 raise WireError(f"{shard} holds tensors another shard holds too: {twice[:5]}", 422)
             files.update(dict.fromkeys(f.keys(), f))
@@ -421,11 +383,12 @@ def make_app(served, *, name, max_seqs, max_tokens, max_body, micro_batch=MICRO_
     app = bottle.Bottle()
     # one forward (or reload) at a time; threads overlap only socket I/O and decoding
     lock = threading.Lock()
-    vocab = served.get_input_embeddings().num_embeddings
-    max_seq_len = getattr(served.config, "max_position_embeddings", None)
-    health = {"status": "ok", "model": name, "vocab_size": vocab, "max_seqs": max_seqs,
-              "fingerprint": model_fingerprint(served), "max_tokens": max_tokens,
-              "max_seq_len": max_seq_len, "max_body": max_body}
+    # decode_request's limits, which /health tells the clients
+    limits = {"vocab_size": served.get_input_embeddings().num_embeddings, "max_seqs": max_seqs,
+              "max_tokens": max_tokens,
+              "max_seq_len": getattr(served.config, "max_position_embeddings", None)}
+    health = {"status": "ok", "model": name, "fingerprint": model_fingerprint(served),
+              "max_body": max_body, **limits}
 
     # every error, bottle's own 404/405/500 too, as one line of JSON (bounded: some quote requests)
     def json_error(res):
@@ -445,9 +408,7 @@ def make_app(served, *, name, max_seqs, max_tokens, max_body, micro_batch=MICRO_
     @app.post("/logps")
     def _logps():
         try:
-            prompts, completions, temperature = decode_request(
-                checked_body(), vocab_size=vocab, max_seqs=max_seqs, max_tokens=max_tokens,
-                max_seq_len=max_seq_len)
+            prompts, completions, temperature = decode_request(checked_body(), **limits)
         except WireError as e:
             bottle.abort(e.status, str(e))
         with lock:
@@ -455,8 +416,7 @@ def make_app(served, *, name, max_seqs, max_tokens, max_body, micro_batch=MICRO_
                                   max_forward_tokens)
         # the request was valid: the model is at fault
         if not all(torch.isfinite(t).all() for t in logps):
-            bottle.abort(500, "the reference model gave non-finite log-probs (overflowing weights "
-                              "or dtype?)")
+            bottle.abort(500, "the reference model gave non-finite log-probs (weights, dtype?)")
         bottle.response.content_type = "application/octet-stream"
         return encode_response(logps)
 
@@ -483,15 +443,15 @@ def make_app(served, *, name, max_seqs, max_tokens, max_body, micro_batch=MICRO_
 
     return app
 
-def refused(code, body) -> Error:
-    """An answer waitress sends for us (its own errors are Error subclasses)."""
-    e = Error(body)
-    e.code, e.reason = code, http.HTTPStatus(code).phrase
-    return e
+# the answers waitress sends for us, declared as it declares its own (BadRequest, ...)
+class Unauthorized(Error):
+    code, reason = 401, "Unauthorized"
+
+class RequestTimeout(Error):
+    code, reason = 408, "Request Timeout"
 
 class JsonErrorTask(ErrorTask):
     """waitress's own errors (400, 413, 431, ...) and ours as one line of JSON, as the app's."""
-
     def execute(self):
         e = self.request.error
         body = json.dumps({"error": f"{e.reason}: {e.body}"}).encode()
@@ -501,10 +461,9 @@ class JsonErrorTask(ErrorTask):
         self.write(body)
 
 def serve(app, *, host, port, token, max_connections, max_body, header_timeout, body_timeout):
-    """`app` on waitress 3.0.2 -> its server (.run(); .effective_port). One thread reads every
-    connection, so an idle one holds a few KiB, not a thread. waitress bounds the connections
-    (more wait in the listen queue) and the head (431) and body (413) in bytes; on its channel
-    internals this adds the token checked at the head and deadlines for head, body and idling."""
+    """`app` on waitress 3.0.2 -> its server (.run(); .effective_port). waitress bounds connections,
+    head (431) and body (413) in bytes; on its channel internals this adds the token checked at the
+    head and deadlines for head, body and idling (docs/reference-server.md)."""
 
     class Parser(HTTPRequestParser):
         def __init__(self, adj):
@@ -517,7 +476,7 @@ def serve(app, *, host, port, token, max_connections, max_body, header_timeout, 
             n = super().received(data)
             if (self.headers_finished and (self.content_length or self.chunked)
                     and not authorized(self.headers.get("AUTHORIZATION", ""), token)):
-                self.error, self.completed = refused(401, "missing or wrong bearer token"), True
+                self.error, self.completed = Unauthorized("missing or wrong bearer token"), True
             return n
 
     class Channel(HTTPChannel):
@@ -542,7 +501,7 @@ def serve(app, *, host, port, token, max_connections, max_body, header_timeout, 
                 # as waitress does for its own 431: an answer needs a request line
                 if not req.headers_finished:
                     req.parse_header(b"GET / HTTP/1.0\r\n")
-                req.error = refused(408, f"{what} not sent within {limit:g}s")
+                req.error = RequestTimeout(f"{what} not sent within {limit:g}s")
                 # as HTTPChannel.received does with a request read whole
                 with channel.requests_lock:
                     req.completed, channel.request = True, None

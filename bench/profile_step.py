@@ -68,8 +68,8 @@ GENERATION = [
 ]
 REFERENCE = [
     ("request: decode", ["decode_request"]),
-    ("forward (log-probs)", ["forward_logps"]),
-    ("forward: padding, micro-batches", ["compute_logps"]),
+    ("forward: padding, log-probs", ["forward_logps"]),
+    ("forward: micro-batches", ["compute_logps"]),
     ("response: encode", ["encode_response"]),
     ("request: HTTP parsing, WSGI", ["process_request_thread"]),
     ("idle: waiting for a connection", ["serve_forever"]),

@@ -66,7 +66,8 @@ def main():
     import torch
     torch.set_num_threads(a.threads)
     from ref_client import ref_logps, reload_reference
-    from ref_server import compute_logps, decode_request, decode_response, encode_request, encode_response, load_model
+    from ref_client import decode_response, encode_request
+    from ref_server import compute_logps, decode_request, encode_response, load_model
     shapes = {"big": BIG, "long": dict(hidden=128, layers=2, heads=4, max_len=8192)}
     servers = {"ref_server over loopback": "ref_server.py", "baseline over loopback": a.baseline}
     servers = {name: file for name, file in servers.items() if file}

@@ -23,9 +23,10 @@ from safetensors.torch import load_file, save as st_save, save_file
 import ref_client
 import ref_server
 from demo.run_demo import free_port
-from ref_client import RefServerError, ref_logps, reload_reference, split_to_fit, wait_for_server
-from ref_server import (MAX_HEAD, WireError, compute_logps, decode_request, decode_response, encode_request,
-                        encode_response, exposure_error, make_app, micro_batches, model_fingerprint, serve)
+from ref_client import (RefServerError, decode_response, encode_request, ref_logps, reload_reference, split_to_fit,
+                        wait_for_server)
+from ref_server import (MAX_HEAD, WireError, compute_logps, decode_request, encode_response, exposure_error, make_app,
+                        micro_batches, model_fingerprint, serve)
 from test_ref_server_fuzz import any_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -535,6 +536,9 @@ def bad_checkpoints(ckpts, good, outside):
                              ("tie_word_embeddings", False)]],
         ("index-no-map", variant("nomap", drop=["model.safetensors"],
                                  files={"model.safetensors.index.json": b'{"weight_map": []}'}), 422, "weight_map"),
+        # file names that are not strings (a list cannot even be hashed): was a 500
+        ("index-map-of-lists", variant("maplists", drop=["model.safetensors"], files={
+            "model.safetensors.index.json": index({k: ["model.safetensors"] for k in weights})}), 422, "weight_map"),
         ("index-missing-shard", variant("noshard", drop=["model.safetensors"], files={
             "model.safetensors.index.json": index({k: "nope.safetensors" for k in weights})}), 422,
          "no nope.safetensors"),

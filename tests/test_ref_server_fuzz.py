@@ -6,7 +6,8 @@ import math
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from ref_server import WireError, _load, decode_request, encode_request
+from ref_client import encode_request
+from ref_server import WireError, decode_request, read_body
 
 V = 108  # tiny model's vocab
 LIMITS = dict(vocab_size=V, max_seqs=16, max_tokens=2000)
@@ -124,7 +125,7 @@ def check_decode(body):
         event(f"{e.status} {str(e)[:70]}")  # what got refused: pytest --hypothesis-show-statistics
         return None
     event("accepted")
-    tensors, _ = _load(body)
+    tensors, _ = read_body(body)
     assert sum(t.numel() * t.element_size() for t in tensors.values()) <= len(body)
     n_tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions))
     assert 4 * n_tokens <= len(body) and n_tokens <= LIMITS["max_tokens"]
