@@ -8,9 +8,12 @@ The choices of one step (docs/variants.md: the flags that change them):
     next batch while the trainer trains on this one.
  2. Advantage: A = (r - mean) / (std + 1e-4) of the rewards in each group of G. Groups of equal
     rewards carry no signal: left out of the loss, still divided by what was sampled (as TRL).
- 3. Loss per token: -(min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) - beta KL), with
-    ratio = exp(logp - old_logp), to the behaviour policy (off-policy-correct PPO: not 1 even at
-    --num-iterations 1), and KL = exp(ref - logp) - (ref - logp) - 1 (k3) to the frozen reference.
+ 3. Loss per token: -(w min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) - beta KL), with
+    ratio = exp(logp - old_logp) to the trainer's own log-probs before the update (1 until a second
+    --num-iterations pass), and KL = exp(ref - logp) - (ref - logp) - 1 (k3) to the reference.
+ 4. w = pi_old(y) / pi_vLLM(y), the sequence's weight for vLLM having sampled it (one push of lag
+    and vLLM's numerics); 0 where above 3 (masked IS, as TRL): a truncated weight would still train
+    on the sequences sampled furthest from the policy, and a token's weight ignores its prefix.
 """
 import argparse
 from functools import partial
@@ -54,18 +57,18 @@ def get_args(argv=None):
                    help="divide the loss by what was sampled or kept (choice 2)")
     g.add_argument("--ratio-level", default="token", choices=["token", "sequence"],
                    help="sequence: GSPO (its paper: --eps-low 3e-4 --eps-high 4e-4)")
+    g.add_argument("--is-mode", default="sequence-mask", help="vLLM's weight w (choice 4)",
+                   choices=["none", "token-truncate", "token-mask", "sequence-truncate",
+                            "sequence-mask"])
+    g.add_argument("--is-min", type=float, default=0.0, help="w's lower bound")
+    g.add_argument("--is-max", type=float, default=3.0, help="w's upper bound")
     g = p.add_argument_group("GRPO variants (the defaults leave them off)")
     g.add_argument("--num-iterations", type=int, default=1, help="optimizer steps per batch (mu)")
     g.add_argument("--scale-rewards", default="group", choices=["group", "batch", "none"],
                    help="std that divides advantages")
     g.add_argument("--std-floor", type=float, default=0.0, help="groups with less std: r - mean")
-    g.add_argument("--is-mode", default="sequence-mask", help="vLLM's weight (choice 4)",
-                   choices=["none", "token-truncate", "token-mask", "sequence-truncate",
-                            "sequence-mask"])
-    g.add_argument("--is-min", type=float, default=0.0, help="importance weight's lower bound")
-    g.add_argument("--is-max", type=float, default=3.0, help="importance weight's upper bound")
     g.add_argument("--off-policy-mask", type=float, default=None, help="DeepSeek-V3.2's delta")
-    g.add_argument("--kl-is-weight", action="store_true", help="KL term x pi / pi_vllm (unbiased)")
+    g.add_argument("--kl-is-weight", action="store_true", help="k3 x pi / pi_vllm (DeepSeek-V3.2)")
     g.add_argument("--mask-truncated", action="store_true", help="no loss on cut-off completions")
     g.add_argument("--overlong-buffer", type=int, default=0, help="DAPO overlong penalty span")
     g.add_argument("--max-gen-rounds", type=int, default=1, help="dynamic sampling rounds")
@@ -105,16 +108,15 @@ def completion_logps(model, input_ids, attention_mask, n_completion, temperature
     logps, ents = torch.cat(logps).view(targets.shape), torch.cat(ents).view(targets.shape)
     return (logps, ents) if entropy else logps                           # (B, T)
 
-# grpo_loss's keywords that are flags of the same name
+# grpo_loss's keywords, flags of the same name
 LOSS_FLAGS = ("beta", "eps_low", "eps_high", "agg", "ratio_level", "is_mode", "is_min", "is_max",
               "off_policy_mask", "kl_is_weight")
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, eps_high, agg,
               max_len, vllm_logps=None, ratio_level="token", is_mode="none", is_min=0.0,
               is_max=3.0, off_policy_mask=None, kl_is_weight=False):
-    """Choice 3 -> (loss, count, stats): the loss averages over `count` sequences (tokens, for
-    token-mean). The variants (docs/variants.md): ratio_level "sequence" (GSPO); is_mode (choice
-    4) and off_policy_mask weigh the surrogate; kl_is_weight, the KL term."""
+    """Choices 3 and 4 -> (loss, count, stats): the loss averages over `count` sequences (tokens,
+    for token-mean). The variants: docs/variants.md."""
     keep = mask > 0                                                       # (B, T)
     mask = mask.to(logps.dtype)                                           # (B, T)
     n = mask.sum(1, keepdim=True).clamp(1)                                # (B, 1)
@@ -124,7 +126,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, e
     ratio = torch.exp(seq_log_ratio if ratio_level == "sequence" else log_ratio)  # (B, T or 1)
     A = advantages.unsqueeze(1)                                           # (B, 1)
     surrogate = torch.min(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)  # (B, T)
-    # choice 4: w = old / vLLM's, per token or per sequence (a product), cut to [is_min, is_max]
+    # choice 4: w = old / vLLM's, per token or sequence (a product), cut to [is_min, is_max]
     w, outside, off = torch.ones_like(A), torch.zeros_like(keep), torch.zeros_like(keep)  # (B, 1|T)
     if is_mode != "none":
         d = torch.where(keep, old_logps - vllm_logps, 0.0)                # (B, T)

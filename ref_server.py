@@ -423,7 +423,7 @@ def default_dtype(device) -> str:
     return "bfloat16" if native else "float32"
 
 
-def load_model(path, device="cpu", dtype="auto"):
+def load_model(path, device="cpu", dtype="auto", fp32_lm_head=False):
     from transformers import AutoModelForCausalLM  # here, so importing this module stays light
     dtype = default_dtype(device) if dtype == "auto" else dtype
     # safetensors only: never a checkpoint format that runs code on load (a hub model without them:
@@ -432,6 +432,12 @@ def load_model(path, device="cpu", dtype="auto"):
                                                  use_safetensors=True)
     model = model.to(device).eval()
     model.requires_grad_(False)
+    if fp32_lm_head:
+        # the lm_head in fp32, bf16 input and weight cast up, as grpo_train.py --fp32-lm-head
+        # and vLLM 0.32's head_dtype float32 (a /reload copies weights into this same module)
+        head = model.get_output_embeddings()
+        bias = lambda: None if head.bias is None else head.bias.float()
+        head.forward = lambda h: torch.nn.functional.linear(h.float(), head.weight.float(), bias())
     return model
 
 
@@ -952,6 +958,8 @@ def main(argv=None):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights dtype; auto = bfloat16 on a GPU that computes in it natively, "
                    "else float32")
+    p.add_argument("--fp32-lm-head", action="store_true",
+                   help="bf16: the lm_head in fp32, as grpo_train.py --fp32-lm-head")
     p.add_argument("--token", default=os.environ.get("REF_SERVER_TOKEN"),
                    help="require 'Authorization: Bearer TOKEN' "
                    "(default: $REF_SERVER_TOKEN, else none)")
@@ -968,7 +976,8 @@ def main(argv=None):
     if err := exposure_error(a.host, a.token, a.insecure) or missing_folder(a.model):
         p.error(err)  # exits with status 2, before loading anything or binding the port
     torch.set_num_threads(a.threads)  # oversubscribed shared cores make everything 10-100x slower
-    app = make_app(load_model(a.model, a.device, a.dtype), name=a.model, max_seqs=a.max_seqs,
+    model = load_model(a.model, a.device, a.dtype, a.fp32_lm_head)
+    app = make_app(model, name=a.model, max_seqs=a.max_seqs,
                    max_tokens=a.max_tokens, max_body=int(a.max_body_mb * 2**20),
                    micro_batch=a.micro_batch, max_forward_tokens=a.max_forward_tokens,
                    token=a.token, checkpoint_dir=a.checkpoint_dir)

@@ -512,3 +512,28 @@ def test_micro_batches_group_similar_lengths_so_less_is_padded(world):
             grouped += padding(micro_batches(mine, seqs, world, 8))
             in_order += padding([(mine[i:i + 8], 1.0) for i in range(0, len(mine), 8)])
     assert grouped < 0.9 * in_order, (grouped, in_order)
+
+
+def test_fp32_lm_head_on_a_bf16_model(tiny_model):
+    """--fp32-lm-head on a bf16 model: the trainer's lm_head (run_setup.head_in_fp32) and the reference
+    server's (load_model) multiply the bf16 hidden states and weight in fp32. Their log-probs are the same
+    numbers, equal to a float64 product of the same bf16 tensors up to fp32 rounding, where the bf16 head's
+    are off by bf16 rounding; the gradient still reaches the bf16 weight."""
+    import ref_server
+    from run_setup import head_in_fp32
+    prompts, completions = [[10, 11, 12], [20]], [[30, 31, 0], [50, 51, 52, 53, 54]]
+    ids, attn, cmask = pad_batch(prompts, completions, 0)
+    T = cmask.shape[1]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16)
+    plain = completion_logps(model, ids, attn, T).detach()
+    head = model.lm_head
+    head.forward = lambda h: torch.nn.functional.linear(h.double(), head.weight.double())
+    exact = completion_logps(model, ids, attn, T).detach()
+    head_in_fp32(head)
+    logps = completion_logps(model, ids, attn, T)
+    keep = cmask.bool()
+    assert (logps.detach() - exact)[keep].abs().max() < 1e-5 < (plain - exact)[keep].abs().max()
+    served = ref_server.load_model(tiny_model, "cpu", "bfloat16", fp32_lm_head=True)
+    assert torch.equal(ref_server.forward_logps(served, ids, attn, T, 1.0)[keep], logps.detach()[keep])
+    logps[keep].sum().backward()
+    assert head.weight.grad.dtype == torch.bfloat16 and head.weight.grad.abs().sum() > 0
