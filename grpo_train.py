@@ -4,16 +4,16 @@
 
 The choices of one step (docs/variants.md: the flags that change them):
  1. Rollout: vLLM samples G completions per prompt, with each token's log-prob under the policy
-    that sampled it (the behaviour, "old", policy): weights one push old, as vLLM samples the
+    that sampled it (the behaviour policy, pi_vLLM): weights one push old, as vLLM samples the
     next batch while the trainer trains on this one.
  2. Advantage: A = (r - mean) / (std + 1e-4) of the rewards in each group of G. Groups of equal
     rewards carry no signal: left out of the loss, still divided by what was sampled (as TRL).
  3. Loss per token: -(w min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) - beta KL), with
-    ratio = exp(logp - old_logp) to the trainer's own log-probs before the update (1 until a second
-    --num-iterations pass), and KL = exp(ref - logp) - (ref - logp) - 1 (k3) to the reference.
+    ratio = exp(logp - old_logp) to the trainer's own log-probs before the update (1 at
+    --num-iterations 1), and KL = exp(ref - logp) - (ref - logp) - 1 (k3) to the reference.
  4. w = pi_old(y) / pi_vLLM(y), the sequence's weight for vLLM having sampled it (one push of lag
-    and vLLM's numerics); 0 where above 3 (masked IS, as TRL): a truncated weight would still train
-    on the sequences sampled furthest from the policy, and a token's weight ignores its prefix.
+    and vLLM's numerics); 0 above 3 (masked IS, as TRL): truncated, it would still train on the
+    sequences furthest off-policy; per token, it would ignore the prefix.
 """
 import argparse
 from functools import partial
@@ -108,7 +108,7 @@ def completion_logps(model, input_ids, attention_mask, n_completion, temperature
     logps, ents = torch.cat(logps).view(targets.shape), torch.cat(ents).view(targets.shape)
     return (logps, ents) if entropy else logps                           # (B, T)
 
-# grpo_loss's keywords, flags of the same name
+# grpo_loss's keywords that are flags
 LOSS_FLAGS = ("beta", "eps_low", "eps_high", "agg", "ratio_level", "is_mode", "is_min", "is_max",
               "off_policy_mask", "kl_is_weight")
 
@@ -126,21 +126,22 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, e
     ratio = torch.exp(seq_log_ratio if ratio_level == "sequence" else log_ratio)  # (B, T or 1)
     A = advantages.unsqueeze(1)                                           # (B, 1)
     surrogate = torch.min(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)  # (B, T)
-    # choice 4: w = old / vLLM's, per token or sequence (a product), cut to [is_min, is_max]
-    w, outside, off = torch.ones_like(A), torch.zeros_like(keep), torch.zeros_like(keep)  # (B, 1|T)
+    # choice 4: w = old / vLLM's, per token or sequence (a product), cut to the bounds
+    w = torch.ones_like(A)                                                # (B, 1)
+    outside = off = torch.zeros_like(keep)                                # (B, T)
     if is_mode != "none":
         d = torch.where(keep, old_logps - vllm_logps, 0.0)                # (B, T)
         w = torch.exp(d.sum(1, keepdim=True) if is_mode[0] == "s" else d)  # (B, T or 1)
         outside = ((w < is_min) | (w > is_max)) & keep                    # (B, T)
         w = w.clamp(is_min, is_max) if is_mode.endswith("truncate") else w * ~outside  # (B, T)
-    # DeepSeek-V3.2: A < 0 and a mean KL(vLLM || now) above delta: out of the surrogate
+    # DeepSeek-V3.2: A < 0 and mean KL(vLLM || now) > delta: out of the surrogate
     if off_policy_mask is not None:
         kl_vllm = torch.where(keep, vllm_logps - logps.detach(), 0.0)     # (B, T)
         off = (A < 0) & (kl_vllm.sum(1, keepdim=True) / n > off_policy_mask)  # (B, 1)
     surrogate = surrogate * w * ~off                                      # (B, T)
     d = torch.where(keep, ref_logps - logps, 0.0) if beta else torch.zeros_like(logps)
     kl = torch.exp(d) - d - 1                                             # (B, T)
-    # x pi / pi_vllm, not detached: the gradient is then the reverse KL's (DeepSeek-V3.2)
+    # x pi / pi_vllm, not detached: the reverse KL's gradient (DeepSeek-V3.2)
     if kl_is_weight:
         kl = kl * torch.exp(torch.where(keep, logps - vllm_logps, 0.0))   # (B, T)
     token_loss = -(surrogate - beta * kl) * mask                          # (B, T)
