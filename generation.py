@@ -291,7 +291,8 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
             t0 = time.time()
             batch = rollout(llm, next_prompts, len(job["share"]))
             batch["metrics"].update({"data/prompts_seen": pos * len(job["share"]) // per_step,
-                                     "sync/logp_diff": probe_diff, "time/gen_s": time.time() - t0,
+                                     "sync/logp_diff": probe_diff, "sync/probe_logp": last[0].mean().item(),
+                                     "time/gen_s": time.time() - t0,
                                      "time/gen_idle_s": idle_s})
             wait_scored()
             pending = scoring.submit(score_and_send, {"kind": "batch", "version": version, "pos": pos, **batch},
@@ -385,7 +386,7 @@ class GenerationProcess:
     def __init__(self, rollout, reference, train_set, eval_set, state, policy, *, model, gen_device, gen_devices,
                  gen_mem, gen_kv_gb, threads, seed, max_prompt_len, max_new_tokens, prompts_per_step, rewards,
                  sync_tol, max_staleness, beta, ref_url, ref_device, ref_wait, eval_only, steps, ref_sync_every,
-                 out_dir, **_):
+                 out_dir, fp32_lm_head=False, **_):
         """rollout(llm, next_prompts, n_prompts) -> an engine's batch; reference(seqs) -> their reference
         log-probs, asked for (with --beta > 0) on the engine's scoring thread; state: the run's (data
         position, the reference's checkpoint); policy: the model the trainer starts from (its dtype is vLLM's; the
@@ -414,10 +415,13 @@ class GenerationProcess:
         self.ref_server = None
         if beta > 0 and ref_url is None and not eval_only:
             device = reference_device(ref_device, devices)
-            self.ref_server, ref_url = start_reference_server(model, device, out_dir, threads)
+            self.ref_server, ref_url = start_reference_server(model, device, out_dir, threads, fp32_lm_head)
             run_args = argparse.Namespace(**{**vars(reference.keywords["args"]), "ref_url": ref_url})
             reference = partial(reference.func, args=run_args)
         engine_kw["weight_transfer_config"] = {"backend": self.backend}
+        # --fp32-lm-head: vLLM 0.32's own option (ModelConfig.head_dtype), the trainer's run_setup.head_in_fp32
+        if fp32_lm_head:
+            engine_kw["hf_overrides"] = {"head_dtype": "float32"}
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT)
         ctx = mp.get_context("spawn")
         positions = engine_positions(state["data_pos"], len(devices))

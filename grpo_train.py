@@ -3,13 +3,16 @@
 
 The choices of one step (docs/variants.md: the flags that change them):
  1. Rollout: vLLM samples G completions per prompt, with each token's log-prob under the policy
-    that sampled it (the behaviour, "old", policy): weights one push old, as vLLM samples the
+    that sampled it (the behaviour policy, pi_vLLM): weights one push old, as vLLM samples the
     next batch while the trainer trains on this one.
  2. Advantage: A = (r - mean) / (std + 1e-4) of the rewards in each group of G. Groups of equal
     rewards carry no signal: left out of the loss, still divided by what was sampled (as TRL).
- 3. Loss per token: -(min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) - beta KL), with
-    ratio = exp(logp - old_logp), to the behaviour policy (off-policy-correct PPO: not 1 even at
-    --num-iterations 1), and KL = exp(ref - logp) - (ref - logp) - 1 (k3) to the frozen reference.
+ 3. Loss per token: -(w min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) - beta KL), with
+    ratio = exp(logp - old_logp) to the trainer's own log-probs before the update (1 at
+    --num-iterations 1), and KL = exp(ref - logp) - (ref - logp) - 1 (k3) to the reference.
+ 4. w = pi_old(y) / pi_vLLM(y), the sequence's weight for vLLM having sampled it (one push of lag
+    and vLLM's numerics); 0 above 3 (masked IS, as TRL): truncated, it would still train on the
+    sequences furthest off-policy; per token, it would ignore the prefix.
 """
 import argparse
 from functools import partial
@@ -23,8 +26,9 @@ from generation import GenerationProcess
 from metrics import (Counters, MetricsLog, add_stats, loss_metrics, policy_stats, reduce_stats,
                      rollout_metrics, timed)
 from ref_client import ref_logps
-from run_setup import (add_system_args, broadcast_json, build_engine, check_config,
-                       init_distributed, load_policy, load_prompts, micro_batches, shut_down)
+from run_setup import (add_system_args, broadcast_json, build_engine, check_config, collate,
+                       init_distributed, load_policy, load_prompts, micro_batches, normaliser,
+                       shut_down)
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="GRPO trainer; launch it with the deepspeed launcher")
@@ -52,12 +56,18 @@ def get_args(argv=None):
                    help="divide the loss by what was sampled or kept (choice 2)")
     g.add_argument("--ratio-level", default="token", choices=["token", "sequence"],
                    help="sequence: GSPO (its paper: --eps-low 3e-4 --eps-high 4e-4)")
+    g.add_argument("--is-mode", default="sequence-mask", help="vLLM's weight w (choice 4)",
+                   choices=["none", "token-truncate", "token-mask", "sequence-truncate",
+                            "sequence-mask"])
+    g.add_argument("--is-min", type=float, default=0.0, help="w's lower bound")
+    g.add_argument("--is-max", type=float, default=3.0, help="w's upper bound")
     g = p.add_argument_group("GRPO variants (the defaults leave them off)")
     g.add_argument("--num-iterations", type=int, default=1, help="optimizer steps per batch (mu)")
     g.add_argument("--scale-rewards", default="group", choices=["group", "batch", "none"],
                    help="std that divides advantages")
     g.add_argument("--std-floor", type=float, default=0.0, help="groups with less std: r - mean")
-    g.add_argument("--tis-cap", type=float, default=None, help="truncated importance sampling cap")
+    g.add_argument("--off-policy-mask", type=float, default=None, help="DeepSeek-V3.2's delta")
+    g.add_argument("--kl-is-weight", action="store_true", help="k3 x pi / pi_vllm (DeepSeek-V3.2)")
     g.add_argument("--mask-truncated", action="store_true", help="no loss on cut-off completions")
     g.add_argument("--overlong-buffer", type=int, default=0, help="DAPO overlong penalty span")
     g.add_argument("--max-gen-rounds", type=int, default=1, help="dynamic sampling rounds")
@@ -75,38 +85,6 @@ def advantages(scores, group_size, scale="group", std_floor=0.0):
     scale_by = {"group": std + 1e-4, "batch": r.std() + 1e-4, "none": torch.ones(())}[scale]
     scale_by = torch.where(std < std_floor, 1.0, scale_by)                # (N, 1)
     return (r - r.mean(1, keepdim=True)) / scale_by, std.squeeze(1) > 0
-
-def pad_batch(prompts, completions, pad_id):
-    """Left-pad prompts, right-pad completions -> ids, attention mask (B, P+T), completion mask
-    (B, T). Masks come from lengths: Qwen's pad is its EOS, and a completion's EOS counts."""
-    P, T = max(map(len, prompts)), max(map(len, completions))
-    input_ids = torch.full((len(prompts), P + T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        input_ids[i, P - len(p):P + len(c)] = torch.tensor(p + c)
-        attention_mask[i, P - len(p):P + len(c)] = 1
-    return input_ids, attention_mask, attention_mask[:, P:]
-
-def collate(seqs, pad_id, device="cpu", mask_truncated=False):
-    """Rollout sequences (+ "ref") -> tensors; mask_truncated: cut-off completions get mask 0."""
-    prompts, completions = [s["prompt"] for s in seqs], [s["completion"] for s in seqs]
-    ids, attn, mask = pad_batch(prompts, completions, pad_id)
-    pad = lambda k: torch.tensor([s[k] + [0.0] * (mask.shape[1] - len(s[k])) for s in seqs])
-    truncated = torch.tensor([s["truncated"] for s in seqs])
-    if mask_truncated:
-        mask = mask * ~truncated.unsqueeze(1)
-    out = {"ids": ids, "attn": attn, "mask": mask, "old": pad("old"), "truncated": truncated,
-           "adv": torch.tensor([s["adv"] for s in seqs]),
-           "ref": pad("ref") if "ref" in seqs[0] else None}
-    return {k: None if v is None else v.to(device) for k, v in out.items()}
-
-def normaliser(seqs, fill, agg, mask_truncated):
-    """The batch's loss divisor (choice 2): sequences, or the tokens in the loss for token-mean;
-    fill: (length, truncated) of no-signal sequences that count (--loss-norm sampled)."""
-    lengths = [(len(s["completion"]), s["truncated"]) for s in seqs] + fill
-    if agg != "token-mean":
-        return len(lengths)
-    return sum(n for n, cut in lengths if not (mask_truncated and cut))
 
 def completion_logps(model, input_ids, attention_mask, n_completion, temperature=1.0, chunk=512,
                      entropy=False):
@@ -129,28 +107,46 @@ def completion_logps(model, input_ids, attention_mask, n_completion, temperature
     logps, ents = torch.cat(logps).view(targets.shape), torch.cat(ents).view(targets.shape)
     return (logps, ents) if entropy else logps                           # (B, T)
 
+# grpo_loss's keywords that are flags
+LOSS_FLAGS = ("beta", "eps_low", "eps_high", "agg", "ratio_level", "is_mode", "is_min", "is_max",
+              "off_policy_mask", "kl_is_weight")
+
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, eps_high, agg,
-              max_len, vllm_logps=None, tis_cap=None, ratio_level="token"):
-    """Choice 3 -> (loss, count, stats): the loss averages over `count` sequences (tokens, for
-    token-mean). tis_cap: each token is weighted by min(exp(old_logps - vllm_logps), tis_cap).
-    ratio_level "sequence": GSPO's ratio, choice 3's alternative (docs/variants.md)."""
+              max_len, vllm_logps=None, ratio_level="token", is_mode="none", is_min=0.0,
+              is_max=3.0, off_policy_mask=None, kl_is_weight=False):
+    """Choices 3 and 4 -> (loss, count, stats): the loss averages over `count` sequences (tokens,
+    for token-mean). The variants: docs/variants.md."""
     keep = mask > 0                                                       # (B, T)
     mask = mask.to(logps.dtype)                                           # (B, T)
+    n = mask.sum(1, keepdim=True).clamp(1)                                # (B, 1)
     # padding holds anything: zeroed before exp, where it could overflow to inf
     log_ratio = torch.where(keep, logps - old_logps, 0.0)                 # (B, T)
-    seq_log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(1)  # (B, 1)
+    seq_log_ratio = log_ratio.sum(1, keepdim=True) / n                    # (B, 1)
     ratio = torch.exp(seq_log_ratio if ratio_level == "sequence" else log_ratio)  # (B, T or 1)
     A = advantages.unsqueeze(1)                                           # (B, 1)
     surrogate = torch.min(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)  # (B, T)
-    if tis_cap:
-        is_ratio = torch.exp(torch.where(keep, old_logps - vllm_logps, 0.0))   # (B, T)
-        surrogate = surrogate * is_ratio.clamp(max=tis_cap)               # (B, T)
+    # choice 4: w = old / vLLM's, per token or sequence (a product), cut to the bounds
+    w = torch.ones_like(A)                                                # (B, 1)
+    outside = off = torch.zeros_like(keep)                                # (B, T)
+    if is_mode != "none":
+        d = torch.where(keep, old_logps - vllm_logps, 0.0)                # (B, T)
+        w = torch.exp(d.sum(1, keepdim=True) if is_mode[0] == "s" else d)  # (B, T or 1)
+        outside = ((w < is_min) | (w > is_max)) & keep                    # (B, T)
+        w = w.clamp(is_min, is_max) if is_mode.endswith("truncate") else w * ~outside  # (B, T)
+    # DeepSeek-V3.2: A < 0 and mean KL(vLLM || now) > delta: out of the surrogate
+    if off_policy_mask is not None:
+        kl_vllm = torch.where(keep, vllm_logps - logps.detach(), 0.0)     # (B, T)
+        off = (A < 0) & (kl_vllm.sum(1, keepdim=True) / n > off_policy_mask)  # (B, 1)
+    surrogate = surrogate * w * ~off                                      # (B, T)
     d = torch.where(keep, ref_logps - logps, 0.0) if beta else torch.zeros_like(logps)
     kl = torch.exp(d) - d - 1                                             # (B, T)
+    # x pi / pi_vllm, not detached: the reverse KL's gradient (DeepSeek-V3.2)
+    if kl_is_weight:
+        kl = kl * torch.exp(torch.where(keep, logps - vllm_logps, 0.0))   # (B, T)
     token_loss = -(surrogate - beta * kl) * mask                          # (B, T)
     n_tokens = mask.sum()
     if agg == "seq-mean-token-mean":
-        loss, count = (token_loss.sum(1) / mask.sum(1).clamp(min=1)).mean(), len(logps)
+        loss, count = (token_loss.sum(1) / n.squeeze(1)).mean(), len(logps)
     elif agg == "token-mean":
         loss, count = token_loss.sum() / n_tokens.clamp(min=1), n_tokens.item()
     else:
@@ -160,7 +156,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, e
         low = (ratio < 1 - eps_low) & (A < 0) & keep                      # (B, T)
         high = (ratio > 1 + eps_high) & (A > 0) & keep                    # (B, T)
         stats = {"kl_sum": (kl * mask).sum(), "clip_low": low.sum(), "clip_high": high.sum(),
-                 "tokens": n_tokens, "ratio_sum": (ratio * mask).sum(), "ratio_max": ratio.max()}
+                 "tokens": n_tokens, "ratio_sum": (ratio * mask).sum(), "ratio_max": ratio.max(),
+                 "is_outside": outside.sum(), "off_policy": (off & keep).sum()}
     return loss, count, stats
 
 def rollout(llm, next_prompts, n_prompts, args):
@@ -214,15 +211,14 @@ def train_step(engine, chunks, total, pad_id, args):
             engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
             logps, entropy = completion_logps(engine.module, b["ids"], b["attn"],
                                               b["mask"].shape[1], args.temperature, entropy=True)
-            # before any update: --tis-cap's old policy, the gap to vLLM's log-probs, the entropy
+            # before any update: --is-mode's old policy, the gap to vLLM's log-probs, the entropy
             if it == 0:
                 old_trainer[i] = logps.detach()
                 add_stats(sums, policy_stats(logps, entropy, b["old"], b["mask"]), weight)
-            loss, count, stats = grpo_loss(
-                logps, old_trainer[i] if args.tis_cap else b["old"], b["ref"], b["adv"],
-                b["mask"], beta=args.beta, eps_low=args.eps_low, eps_high=args.eps_high,
-                agg=args.agg, max_len=args.max_new_tokens, vllm_logps=b["old"],
-                tis_cap=args.tis_cap, ratio_level=args.ratio_level)
+            old = b["old"] if args.is_mode == "none" else old_trainer[i]
+            loss, count, stats = grpo_loss(logps, old, b["ref"], b["adv"], b["mask"],
+                                           max_len=args.max_new_tokens, vllm_logps=b["old"],
+                                           **{k: getattr(args, k) for k in LOSS_FLAGS})
             # this micro-batch's share of the batch's loss; x world: DeepSpeed averages ranks
             share = loss * count / total * weight
             engine.backward(share * dist.get_world_size())

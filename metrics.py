@@ -41,7 +41,8 @@ def policy_stats(logps, entropy, vllm_logps, mask):
 
 
 # the stats every rank sums (or maxes) in the same order, whether or not it had a micro-batch
-SUM_KEYS = ("loss", "kl_sum", "clip_low", "clip_high", "tokens", "ratio_sum", "gap_sum", "entropy_sum")
+SUM_KEYS = ("loss", "kl_sum", "clip_low", "clip_high", "tokens", "ratio_sum", "gap_sum", "entropy_sum",
+            "is_outside", "off_policy")
 MAX_KEYS = ("ratio_max", "gap_max")
 
 
@@ -62,7 +63,32 @@ def loss_metrics(sums, num_iterations):
     return {"loss": sums["loss"] / n, "kl": sums["kl_sum"] / tokens, "clip/low": sums["clip_low"] / tokens,
             "clip/high": sums["clip_high"] / tokens, "ratio/mean": sums["ratio_sum"] / tokens,
             "ratio/max": sums["ratio_max"], "sampling/logp_diff_mean": sums["gap_sum"] * n / tokens,
-            "sampling/logp_diff_max": sums["gap_max"], "entropy": sums["entropy_sum"] * n / tokens}
+            "sampling/logp_diff_max": sums["gap_max"], "entropy": sums["entropy_sum"] * n / tokens,
+            "sampling/is_outside": sums["is_outside"] / tokens,
+            "sampling/off_policy_masked": sums["off_policy"] / tokens}
+
+
+# step 1 of a run: the policy is the reference and sampled the batch (policy_lag 0), so both numbers are
+# rounding: ~1e-12 and ~1e-6 in fp32 on CPU; bf16 on GPUs leaves a few hundredths of a nat of log-prob gap
+# (0.03-0.04 nats RMS at 0.5B), which these bounds allow
+FIRST_STEP_KL, FIRST_STEP_GAP = 1e-3, 0.1
+
+
+def first_step_check(log):
+    """Step 1's metrics -> one warning line if the policy is not the reference or vLLM computes other
+    log-probs than the trainer for the same weights, else None."""
+    kl, gap = log["kl"], log["sampling/logp_diff_mean"]
+    causes = []
+    if kl > FIRST_STEP_KL:
+        causes.append(f"kl to the reference {kl:.3g} > {FIRST_STEP_KL:g} with the policy equal to it: the "
+                      f"reference server holds another checkpoint, or computes in another dtype (its --dtype, "
+                      f"--fp32-lm-head)")
+    if gap > FIRST_STEP_GAP:
+        causes.append(f"sampling/logp_diff_mean {gap:.3g} > {FIRST_STEP_GAP:g} for the very weights vLLM "
+                      f"sampled with: a dtype mismatch (--fp32-lm-head on one side only), a chat template or "
+                      f"tokenizer that differs between vLLM and the trainer, or a sampling setting vLLM applies "
+                      f"that the trainer does not (top-p/top-k, a penalty, the model's generation_config.json)")
+    return f"self-check at step 1 failed: {'; '.join(causes)}" if causes else None
 
 
 @contextmanager
@@ -170,6 +196,8 @@ class MetricsLog:
               f"kl {log['kl']:.4f} | entropy {log['entropy']:.3f} | len {log['completion_len/mean']:.1f} | "
               f"zero-std {log['frac_zero_std']:.2f}{evals}", flush=True)
         if warning := self.no_signal.check(log):
+            print(warning, flush=True)
+        if log["step"] == 1 and (warning := first_step_check(log)):
             print(warning, flush=True)
 
     def write_eval(self, model, task, n, evals):

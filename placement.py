@@ -37,7 +37,7 @@ def reference_device(ref_device, gen_devices):
     return ref_device
 
 
-def start_reference_server(model, device, checkpoint_dir, threads):
+def start_reference_server(model, device, checkpoint_dir, threads, fp32_lm_head=False):
     """Rank 0's own reference server (ref_server.py, run as a child process, as a user would run it): on
     loopback, a port free now, a token made for it (in its environment, never on its command line, where
     `ps` shows it; the engines, spawned after, read it from theirs), allowed to reload checkpoints of
@@ -49,7 +49,8 @@ def start_reference_server(model, device, checkpoint_dir, threads):
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": device} if gpu else {})}
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ref_server.py"),
            "--model", model, "--device", "cuda:0" if gpu else "cpu", "--port", str(port),
-           "--threads", str(threads), "--checkpoint-dir", os.path.abspath(checkpoint_dir)]
+           "--threads", str(threads), "--checkpoint-dir", os.path.abspath(checkpoint_dir),
+           *(["--fp32-lm-head"] if fp32_lm_head else [])]
     # Linux's parent-death signal: a SIGKILLed rank 0 takes its server with it
     die_with_parent = lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)

@@ -152,14 +152,21 @@ def default_dtype(device) -> str:
     native = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
     return "bfloat16" if native else "float32"
 
-def load_model(path, device="cpu", dtype="auto"):
+def load_model(path, device="cpu", dtype="auto", fp32_lm_head=False):
     # here, so importing this module stays light
     from transformers import AutoModelForCausalLM
     dtype = default_dtype(device) if dtype == "auto" else dtype
     # safetensors only: never a format that runs code on load (a hub model without them: refused)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
                                                  use_safetensors=True)
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device).eval().requires_grad_(False)
+    if fp32_lm_head:
+        # the lm_head in fp32, bf16 input and weight cast up, as grpo_train.py --fp32-lm-head
+        # and vLLM 0.32's head_dtype float32 (a /reload copies weights into this same module)
+        head = model.get_output_embeddings()
+        bias = lambda: None if head.bias is None else head.bias.float()
+        head.forward = lambda h: torch.nn.functional.linear(h.float(), head.weight.float(), bias())
+    return model
 
 @torch.no_grad()
 def forward_logps(model, prompts, completions, temperature, chunk=512):
@@ -529,6 +536,8 @@ def main(argv=None):
     add("--max-forward-tokens", type=int, default=MAX_FORWARD_TOKENS, help="bounds a pass's memory")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
         help="auto: bfloat16 on a GPU that computes in it natively, else float32")
+    add("--fp32-lm-head", action="store_true",
+        help="bf16: the lm_head in fp32, as grpo_train.py --fp32-lm-head")
     add("--token", default=os.environ.get("REF_SERVER_TOKEN"),
         help="require 'Authorization: Bearer TOKEN' (default: $REF_SERVER_TOKEN, else none)")
     add("--checkpoint-dir", help="allow POST /reload of checkpoints under this folder (+ a token)")
@@ -543,7 +552,7 @@ def main(argv=None):
     # oversubscribed shared cores make everything 10-100x slower
     torch.set_num_threads(a.threads)
     max_body = int(a.max_body_mb * 2**20)
-    app = make_app(load_model(a.model, a.device, a.dtype), name=a.model, max_seqs=a.max_seqs,
+    app = make_app(load_model(a.model, a.device, a.dtype, a.fp32_lm_head), name=a.model, max_seqs=a.max_seqs,
                    max_tokens=a.max_tokens, max_body=max_body, micro_batch=a.micro_batch,
                    max_forward_tokens=a.max_forward_tokens, token=a.token,
                    checkpoint_dir=a.checkpoint_dir)

@@ -76,6 +76,8 @@ def add_system_args(p):
     g.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward on a rank")
     g.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing: less memory, more compute")
     g.add_argument("--ds-config", default="ds_config.json", help="DeepSpeed config (ZeRO-2)")
+    g.add_argument("--fp32-lm-head", action="store_true",
+                   help="bf16 models: the trainer's and vLLM's lm_head in fp32 (docs/variants.md)")
     g = p.add_argument_group("LoRA (peft): only low-rank adapters train; vLLM gets the merged weights")
     g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank r (0: train every weight)")
     g.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale alpha / r (default alpha: 2 r)")
@@ -149,9 +151,9 @@ def unlink_shm_buffer():
 
 
 def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_batch, steps, num_iterations,
-                 max_gen_rounds, max_skips, temperature, tis_cap, overlong_buffer, max_new_tokens,
+                 max_gen_rounds, max_skips, temperature, is_min, is_max, overlong_buffer, max_new_tokens,
                  ref_sync_every, beta, max_staleness, keep_checkpoints, eval_size, ds_config, gen_device,
-                 gen_devices, ref_url, ref_device, lora_rank, lora_alpha, gen_mem, **_):
+                 gen_devices, ref_url, ref_device, lora_rank, lora_alpha, gen_mem, off_policy_mask, **_):
     """Exits with one message naming every flag that is wrong, before anything is loaded or started;
     if none is, rank 0 prints the run in one line: the model, where training and vLLM run, the reference."""
     try:
@@ -170,7 +172,8 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
          "--eval-size must be >= 1"),
         (min(max_staleness, keep_checkpoints) < 0, "--max-staleness and --keep-checkpoints must be >= 0"),
         (temperature < 1e-3, "--temperature must be >= 0.001 (the log-probs are taken at it)"),
-        (tis_cap is not None and tis_cap <= 0, "--tis-cap must be > 0"),
+        (not 0 <= is_min < is_max, "--is-min must be >= 0 and below --is-max"),
+        (off_policy_mask is not None and off_policy_mask < 0, "--off-policy-mask must be >= 0"),
         (lora_rank < 0 or (lora_alpha is not None and lora_alpha <= 0),
          "--lora-rank must be >= 0 and --lora-alpha > 0"),
         (not 0 <= overlong_buffer < max_new_tokens, "--overlong-buffer must be in [0, --max-new-tokens)"),
@@ -202,7 +205,8 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
               flush=True)
 
 
-def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, seed=0, **_):
+def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, seed=0,
+                fp32_lm_head=False, **_):
     """-> (HF model, tokenizer). The dtype is the reference server's rule: bf16 only on GPUs that have it
     natively, fp32 otherwise; vLLM is then given the same (generation.vllm_dtype). lora_rank > 0: peft's LoRA
     adapters (B starts at zero: the policy starts as the base model) are its only trainable weights."""
@@ -226,6 +230,8 @@ def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_ta
         from peft import LoraConfig
         model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank, lora_dropout=0.0,
                                      target_modules=targets))
+    if fp32_lm_head:
+        head_in_fp32(model.get_output_embeddings())
     if dist.is_initialized() and dist.get_rank() == 0:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
@@ -234,6 +240,14 @@ def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_ta
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     return model, tok
+
+
+def head_in_fp32(head):
+    """--fp32-lm-head: the lm_head's product in fp32, its bf16 input and weight cast up, as vLLM 0.32
+    computes it with head_dtype float32 (vllm/model_executor/layers/logits_processor.py). The weight
+    stays the model's (tied or not) and gets its gradient in its own dtype."""
+    bias = lambda: None if head.bias is None else head.bias.float()
+    head.forward = lambda h: torch.nn.functional.linear(h.float(), head.weight.float(), bias())
 
 
 def deepspeed_config(ds_config_path, micro_batch, bf16, world):
@@ -321,6 +335,41 @@ def broadcast_json(obj, device, src=0):
     data = (data if data is not None else torch.empty(int(n), dtype=torch.uint8)).to(device)
     dist.broadcast(data, src)
     return json.loads(data.cpu().numpy().tobytes())
+
+
+def pad_batch(prompts, completions, pad_id):
+    """Left-pad prompts, right-pad completions -> ids, attention mask (B, P+T), completion mask
+    (B, T). Masks come from lengths: Qwen's pad is its EOS, and a completion's EOS counts."""
+    P, T = max(map(len, prompts)), max(map(len, completions))
+    input_ids = torch.full((len(prompts), P + T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        input_ids[i, P - len(p):P + len(c)] = torch.tensor(p + c)
+        attention_mask[i, P - len(p):P + len(c)] = 1
+    return input_ids, attention_mask, attention_mask[:, P:]
+
+
+def collate(seqs, pad_id, device="cpu", mask_truncated=False):
+    """Rollout sequences (+ "ref") -> tensors; mask_truncated: cut-off completions get mask 0."""
+    prompts, completions = [s["prompt"] for s in seqs], [s["completion"] for s in seqs]
+    ids, attn, mask = pad_batch(prompts, completions, pad_id)
+    pad = lambda k: torch.tensor([s[k] + [0.0] * (mask.shape[1] - len(s[k])) for s in seqs])
+    truncated = torch.tensor([s["truncated"] for s in seqs])
+    if mask_truncated:
+        mask = mask * ~truncated.unsqueeze(1)
+    out = {"ids": ids, "attn": attn, "mask": mask, "old": pad("old"), "truncated": truncated,
+           "adv": torch.tensor([s["adv"] for s in seqs]),
+           "ref": pad("ref") if "ref" in seqs[0] else None}
+    return {k: None if v is None else v.to(device) for k, v in out.items()}
+
+
+def normaliser(seqs, fill, agg, mask_truncated):
+    """The batch's loss divisor (grpo_train.py's choice 2): sequences, or the tokens in the loss for
+    token-mean; fill: (length, truncated) of no-signal sequences that count (--loss-norm sampled)."""
+    lengths = [(len(s["completion"]), s["truncated"]) for s in seqs] + fill
+    if agg != "token-mean":
+        return len(lengths)
+    return sum(n for n, cut in lengths if not (mask_truncated and cut))
 
 
 def micro_batches(mine, seqs, world, size):

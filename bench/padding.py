@@ -1,6 +1,6 @@
 """Padded tokens of the training step's micro-batches, cut in the batch's order (before) and longest
 first (run_setup.micro_batches, after), on GSM8K-length sequences. CPU only, no model: the count is what
-grpo_train.pad_batch would build.
+run_setup.pad_batch would build.
 
 The stand-in batch: --seqs // --group-size random GSM8K training questions, each in the task's chat prompt
 (tasks.chat_prompt), each with --group-size completions whose lengths are those of randomly drawn
@@ -25,7 +25,7 @@ import os
 import random
 
 from _common import ROOT, print_table
-from grpo_train import pad_batch
+from run_setup import pad_batch
 from run_setup import micro_batches
 from tasks import chat_prompt, data_file, read_records
 

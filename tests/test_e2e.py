@@ -197,15 +197,17 @@ def test_eval_only_scores_a_checkpoint_without_training(tmp_path, demo_model):
 
 def test_variants_ppo_epochs_tis_overlong_truncation_dynamic_sampling(tmp_path, demo_model):
     """One run with the variants that combine. --num-iterations 2 with a tight clip: the second pass meets
-    ratios != 1 and clips. --tis-cap: the trainer's and vLLM's old log-probs agree to fp32 noise while the
-    batch is on-policy (step 1), and differ by the update in between when it was sampled a version earlier
-    (policy_lag 1: the mismatch TIS corrects). --max-new-tokens 5 cuts the three-digit answers (--mask-truncated
-    leaves them out of the loss); --overlong-buffer 3 gives every completion (2 - n) / 3. --max-gen-rounds 4:
+    ratios != 1 and clips. --is-mode token-truncate --is-max 2 (truncated IS): the trainer's and vLLM's old
+    log-probs agree to fp32 noise while the batch is on-policy (step 1), and differ by the update in between
+    when it was sampled a version earlier (policy_lag 1: the mismatch IS corrects). --max-new-tokens 5 cuts the
+    three-digit answers (--mask-truncated leaves them out of the loss); --overlong-buffer 3 gives every
+    completion (2 - n) / 3. --max-gen-rounds 4:
     rounds of 16 prompts until 16 groups have unequal rewards, with Dr. GRPO scaling and a std floor, on two
     engines (--gen-devices 0,1): each takes 8 prompts of every block of 16 it draws and fills its 8 groups."""
     _, rows = run_demo(tmp_path, "--model", demo_model, "--steps", "6", "--eval-every", "0", "--",
-                       "--num-iterations", "2", "--eps-low", "0.01", "--eps-high", "0.01", "--tis-cap", "2",
-                       "--overlong-buffer", "3", "--max-new-tokens", "5", "--mask-truncated", "--lr", "1e-3",
+                       "--num-iterations", "2", "--eps-low", "0.01", "--eps-high", "0.01", "--is-mode",
+                       "token-truncate", "--is-max", "2", "--overlong-buffer", "3", "--max-new-tokens", "5",
+                       "--mask-truncated", "--lr", "1e-3",
                        "--max-gen-rounds", "4", "--scale-rewards", "none", "--std-floor", "0.3",
                        "--gen-devices", "0,1")
     assert [r["step"] for r in rows] == list(range(1, 7))

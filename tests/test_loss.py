@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_train import advantages, collate, completion_logps, grpo_loss, normaliser, pad_batch
+from grpo_train import advantages, completion_logps, grpo_loss
+from run_setup import collate, normaliser, pad_batch
 from rewards import overlong_penalty
 
 AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
@@ -195,20 +196,145 @@ def test_overlong_penalty_by_hand():
     assert overlong_penalty(20, 20, 0) == 0.0   # off
 
 
-def test_truncated_importance_sampling_weights_each_token_by_the_capped_ratio():
-    """With --tis-cap C the surrogate of token t is scaled by min(exp(old_trainer - old_vllm), C); the ratio
-    uses the trainer's old log-probs. Hand case: ratio 1 (logps == old), A = 1, IS log-ratios 0, log 1.5, log 4."""
+def variant_reference_loss(logps, old, vllm, ref, adv, lens, beta, eps_low, eps_high, agg, max_len,
+                           is_mode="none", is_min=0.0, is_max=3.0, delta=None, kl_is_weight=False):
+    """The variants' formulas token by token in plain Python floats (float64). Importance sampling (TRL's
+    four modes, the MIS papers): w = pi_old / pi_vllm per token, or per sequence as the product over its
+    tokens, truncated to [is_min, is_max] or 0 outside it; it multiplies the surrogate. DeepSeek-V3.2 Eq. 9:
+    M_i = 0 when A_i < 0 and (1 / |o_i|) sum_t log(pi_vllm / pi_theta) > delta, else 1. DeepSeek-V3.2 Eq. 8:
+    the k3 term times pi_theta / pi_vllm."""
+    per_seq = []
+    for i, n in enumerate(lens):
+        seq_w = math.prod(math.exp(old[i][t] - vllm[i][t]) for t in range(n))
+        mean_kl = sum(vllm[i][t] - logps[i][t] for t in range(n)) / n
+        M = 0.0 if delta is not None and adv[i] < 0 and mean_kl > delta else 1.0
+        toks = []
+        for t in range(n):
+            r = math.exp(logps[i][t] - old[i][t])
+            surr = min(r * adv[i], min(max(r, 1 - eps_low), 1 + eps_high) * adv[i])
+            w = 1.0
+            if is_mode != "none":
+                w = seq_w if is_mode.startswith("sequence") else math.exp(old[i][t] - vllm[i][t])
+                if is_mode.endswith("truncate"):
+                    w = min(max(w, is_min), is_max)
+                elif not is_min <= w <= is_max:
+                    w = 0.0
+            d = ref[i][t] - logps[i][t]
+            kl = math.exp(d) - d - 1
+            if kl_is_weight:
+                kl *= math.exp(logps[i][t] - vllm[i][t])
+            toks.append(-(w * M * surr - beta * kl))
+        per_seq.append(toks)
+    return aggregate(per_seq, agg, max_len)
+
+
+def variant_batch(seed):
+    """random_batch with vLLM's log-probs: the trainer's old ones plus noise of 0.3 nats."""
+    logps, old, ref, adv, mask, lens = random_batch(B=8, T=7, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    vllm = old + torch.randn(old.shape, generator=g, dtype=torch.float64) * 0.3
+    return logps, old, vllm, ref, adv, mask, lens
+
+
+def check_against_reference(agg, seed, **variant):
+    """grpo_loss with `variant` -> its stats, after asserting its value and gradient equal the float64
+    reference's (padding of any value)."""
+    logps, old, vllm, ref, adv, mask, lens = variant_batch(seed)
+    logps, old = logps.masked_fill(mask == 0, 50.0), old.masked_fill(mask == 0, -1e4)   # padding: anything
+    kw = dict(beta=0.1, eps_low=0.2, eps_high=0.28, agg=agg, max_len=10)
+    x = logps.clone().requires_grad_(True)
+    names = {"delta": "off_policy_mask"}
+    loss, _, stats = grpo_loss(x, old, ref, adv, mask, vllm_logps=vllm, **kw,
+                               **{names.get(k, k): v for k, v in variant.items()})
+    loss.backward()
+    ref_loss = lambda lp: variant_reference_loss(lp, old.tolist(), vllm.tolist(), ref.tolist(), adv.tolist(),
+                                                 lens, **kw, **variant)
+    assert loss.item() == pytest.approx(ref_loss(logps.tolist()), rel=1e-10, abs=1e-12)
+    assert_gradient_matches(x.grad, logps, lens, mask, ref_loss)
+    return stats, (logps, old, vllm, adv, mask, lens)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("mode", ["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"])
+def test_importance_sampling_modes_match_the_formulas(mode, agg):
+    """--is-mode: value and gradient equal the float64 formulas; sampling/is_outside counts the tokens whose
+    weight (their own, or their sequence's) is outside [is_min, is_max], and both sides of the bounds occur."""
+    bounds = (0.8, 1.25) if mode.startswith("token") else (0.7, 1.5)
+    stats, (_, old, vllm, _, mask, lens) = check_against_reference(agg, 5, is_mode=mode, is_min=bounds[0],
+                                                                   is_max=bounds[1])
+    d = ((old - vllm) * mask).tolist()
+    w = [[math.exp(sum(d[i][:n]))] * n if mode.startswith("sequence") else [math.exp(x) for x in d[i][:n]]
+         for i, n in enumerate(lens)]
+    flat = [x for ws in w for x in ws]
+    outside = sum(not bounds[0] <= x <= bounds[1] for x in flat)
+    assert stats["is_outside"].item() == outside
+    assert min(flat) < bounds[0] and max(flat) > bounds[1] and 0 < outside < len(flat)
+
+
+def test_tis_cap_is_token_truncate_with_a_max_by_hand():
+    """The former --tis-cap C is --is-mode token-truncate --is-max C: the surrogate of token t is scaled by
+    min(exp(old_trainer - old_vllm), C). Hand case: ratio 1 (logps == old), A = 1, IS log-ratios 0, log 1.5,
+    log 4; sequence-mask at 3 drops the sequence (product 6), at 10 weights every token by 6."""
     logps = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
     vllm = -torch.log(torch.tensor([[1.0, 1.5, 4.0]], dtype=torch.float64))   # old_trainer (0) - vllm = log w
     adv, mask = torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 3)
-    loss, _, st = grpo_loss(logps, logps.detach(), None, adv, mask, beta=0, eps_low=0.2, eps_high=0.2,
-                            agg="token-mean", max_len=3, vllm_logps=vllm, tis_cap=2.0)
+    kw = dict(beta=0, eps_low=0.2, eps_high=0.2, agg="token-mean", max_len=3, vllm_logps=vllm)
+    loss, _, st = grpo_loss(logps, logps.detach(), None, adv, mask, is_mode="token-truncate", is_max=2.0, **kw)
     assert loss.item() == pytest.approx(-(1 + 1.5 + 2.0) / 3)   # weights 1, 1.5 and 4 capped at 2
     loss.backward()
-    assert logps.grad[0].tolist() == pytest.approx([-1 / 3, -1.5 / 3, -2 / 3])
-    loss_off, _, _ = grpo_loss(logps, logps.detach(), None, adv, mask, beta=0, eps_low=0.2, eps_high=0.2,
-                               agg="token-mean", max_len=3, vllm_logps=vllm)   # no cap: no weights
-    assert loss_off.item() == pytest.approx(-1.0)
+    assert logps.grad[0].tolist() == pytest.approx([-1 / 3, -1.5 / 3, -2 / 3]) and st["is_outside"].item() == 1
+    assert grpo_loss(logps, logps.detach(), None, adv, mask, **kw)[0].item() == pytest.approx(-1.0)   # none
+    loss, _, st = grpo_loss(logps, logps.detach(), None, adv, mask, is_mode="sequence-mask", is_max=3.0, **kw)
+    assert loss.item() == 0.0 and st["is_outside"].item() == 3
+    loss, _, _ = grpo_loss(logps, logps.detach(), None, adv, mask, is_mode="sequence-mask", is_max=10.0, **kw)
+    assert loss.item() == pytest.approx(-6.0)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_off_policy_sequence_mask_matches_deepseek_v32(agg):
+    """--off-policy-mask delta (DeepSeek-V3.2 Eq. 9): value and gradient equal the formula; the sequences
+    left out are those with A < 0 and a mean log(pi_vllm / pi_theta) above delta, counted in tokens, and the
+    batch has such sequences, negative ones under delta and positive ones above it (kept)."""
+    delta = 0.15
+    stats, (logps, _, vllm, adv, mask, lens) = check_against_reference(agg, 7, delta=delta)
+    mean_kl = [((vllm[i, :n] - logps[i, :n]).sum() / n).item() for i, n in enumerate(lens)]
+    # no sequence within the finite differences' reach of delta: the mask is the same on both sides
+    assert min(abs(k - delta) for k in mean_kl) > 1e-4
+    masked = [a < 0 and k > delta for a, k in zip(adv.tolist(), mean_kl)]
+    assert stats["off_policy"].item() == sum(n for m, n in zip(masked, lens) if m)
+    assert any(masked) and any(a < 0 and not m for a, m in zip(adv.tolist(), masked))
+    assert any(a > 0 and k > delta for a, k in zip(adv.tolist(), mean_kl))
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_kl_is_weight_matches_deepseek_v32(agg):
+    """--kl-is-weight (DeepSeek-V3.2 Eq. 8): the k3 term times pi_theta / pi_vllm; value and gradient equal
+    the formula, together with the sequence-mask default."""
+    check_against_reference(agg, 9, kl_is_weight=True)
+    check_against_reference(agg, 9, kl_is_weight=True, is_mode="sequence-mask", is_min=0.0, is_max=3.0)
+
+
+def test_kl_is_weight_gives_the_reverse_kl_gradient_in_expectation():
+    """Sampling from pi_vllm, the expected gradient of the weighted k3 term is exactly grad KL(pi_theta ||
+    pi_ref) (the ratio is not detached); the unweighted k3's is not. Over a vocabulary of 6, the expectation
+    is the sum over every token y of pi_vllm(y) times grpo_loss's gradient on a one-token completion y."""
+    g = torch.Generator().manual_seed(11)
+    theta = torch.randn(6, generator=g, dtype=torch.float64, requires_grad=True)
+    log_ref = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), 0)
+    log_vllm = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), 0)
+    log_pi = torch.log_softmax(theta, 0)
+    exact = torch.autograd.grad((log_pi.exp() * (log_pi - log_ref)).sum(), theta, retain_graph=True)[0]
+    kw = dict(beta=1.0, eps_low=0.2, eps_high=0.2, agg="token-mean", max_len=1)
+    for weighted in (True, False):
+        expected = 0
+        for y in range(6):
+            x = log_pi[y].view(1, 1)
+            loss, _, _ = grpo_loss(x, x.detach(), log_ref[y].view(1, 1), torch.zeros(1, dtype=torch.float64),
+                                   torch.ones(1, 1), vllm_logps=log_vllm[y].view(1, 1), kl_is_weight=weighted,
+                                   **kw)
+            expected = expected + log_vllm[y].exp() * loss
+        grad = torch.autograd.grad(expected, theta, retain_graph=True)[0]
+        assert torch.allclose(grad, exact, atol=1e-12) == weighted, (weighted, grad, exact)
 
 
 def test_eps_zero_passes_gradient_only_where_the_min_is_unclipped():
@@ -304,7 +430,8 @@ def test_a_padded_column_of_any_value_changes_nothing(agg, dtype):
             x, o, r = torch.cat([x, col], 1), torch.cat([o, 0 * col], 1), torch.cat([r, 0 * col], 1)
             m = torch.cat([m, torch.zeros(len(m), 1, dtype=m.dtype)], 1)
         x = x.clone().requires_grad_(True)
-        loss, _, stats = grpo_loss(x, o, r, adv.to(dtype), m, vllm_logps=o, tis_cap=2.0, **kw)
+        loss, _, stats = grpo_loss(x, o, r, adv.to(dtype), m, vllm_logps=o, is_mode="token-truncate",
+                                   is_max=2.0, off_policy_mask=0.1, kl_is_weight=True, **kw)
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(x.grad).all() and torch.isfinite(stats["ratio_max"])
         grads.append((loss.item(), x.grad[:, :logps.shape[1]]))
@@ -385,3 +512,28 @@ def test_micro_batches_group_similar_lengths_so_less_is_padded(world):
             grouped += padding(micro_batches(mine, seqs, world, 8))
             in_order += padding([(mine[i:i + 8], 1.0) for i in range(0, len(mine), 8)])
     assert grouped < 0.9 * in_order, (grouped, in_order)
+
+
+def test_fp32_lm_head_on_a_bf16_model(tiny_model):
+    """--fp32-lm-head on a bf16 model: the trainer's lm_head (run_setup.head_in_fp32) and the reference
+    server's (load_model) multiply the bf16 hidden states and weight in fp32. Their log-probs are the same
+    numbers, equal to a float64 product of the same bf16 tensors up to fp32 rounding, where the bf16 head's
+    are off by bf16 rounding; the gradient still reaches the bf16 weight."""
+    import ref_server
+    from run_setup import head_in_fp32
+    prompts, completions = [[10, 11, 12], [20]], [[30, 31, 0], [50, 51, 52, 53, 54]]
+    ids, attn, cmask = pad_batch(prompts, completions, 0)
+    T = cmask.shape[1]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16)
+    plain = completion_logps(model, ids, attn, T).detach()
+    head = model.lm_head
+    head.forward = lambda h: torch.nn.functional.linear(h.double(), head.weight.double())
+    exact = completion_logps(model, ids, attn, T).detach()
+    head_in_fp32(head)
+    logps = completion_logps(model, ids, attn, T)
+    keep = cmask.bool()
+    assert (logps.detach() - exact)[keep].abs().max() < 1e-5 < (plain - exact)[keep].abs().max()
+    served = ref_server.load_model(tiny_model, "cpu", "bfloat16", fp32_lm_head=True)
+    assert torch.equal(ref_server.forward_logps(served, ids, attn, T, 1.0)[keep], logps.detach()[keep])
+    logps[keep].sum().backward()
+    assert head.weight.grad.dtype == torch.bfloat16 and head.weight.grad.abs().sum() > 0

@@ -617,7 +617,7 @@ def test_logps_equal_the_trainers_and_a_plain_forward(model):
     (pad_batch + completion_logps) and a plain HF forward, with ragged lengths, at a temperature other than 1,
     micro-batched by a token budget or not."""
     import grpo_train
-    from grpo_train import pad_batch
+    from run_setup import pad_batch
     prompts = PROMPTS + [[7] * 30, [9, 8]]
     completions = COMPLETIONS + [[3, 4], list(range(40, 80))]
     ids, attn, cmask = pad_batch(prompts, completions, 0)

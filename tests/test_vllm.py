@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from generation import RELOAD_LOGGER, check_probe, never_pushed, quiet_vllm_console, vllm_probe_logps
-from grpo_train import completion_logps, pad_batch
+from grpo_train import completion_logps
+from run_setup import pad_batch
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
