@@ -77,7 +77,8 @@ FIRST_STEP_KL, FIRST_STEP_GAP = 1e-3, 0.1
 def first_step_check(log):
     """Step 1's metrics -> one warning line if the policy is not the reference or vLLM computes other
     log-probs than the trainer for the same weights, else None."""
-    kl, gap = log["kl"], log["sampling/logp_diff_mean"]
+    # a step without these (no kept sequence) has nothing to check
+    kl, gap = log.get("kl", 0.0), log.get("sampling/logp_diff_mean", 0.0)
     causes = []
     if kl > FIRST_STEP_KL:
         causes.append(f"kl to the reference {kl:.3g} > {FIRST_STEP_KL:g} with the policy equal to it: the "

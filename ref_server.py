@@ -552,7 +552,8 @@ def main(argv=None):
     # oversubscribed shared cores make everything 10-100x slower
     torch.set_num_threads(a.threads)
     max_body = int(a.max_body_mb * 2**20)
-    app = make_app(load_model(a.model, a.device, a.dtype, a.fp32_lm_head), name=a.model, max_seqs=a.max_seqs,
+    model = load_model(a.model, a.device, a.dtype, a.fp32_lm_head)
+    app = make_app(model, name=a.model, max_seqs=a.max_seqs,
                    max_tokens=a.max_tokens, max_body=max_body, micro_batch=a.micro_batch,
                    max_forward_tokens=a.max_forward_tokens, token=a.token,
                    checkpoint_dir=a.checkpoint_dir)
