@@ -289,7 +289,8 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
     from vllm import LLM
     index, engines = job["index"], job["engines"]
     check_parent = partial(exit_if_orphaned, os.getppid(), f"generation engine {index}")
-    print(f"generation engine {index}: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
+    if torch.cuda.is_available():   # a CPU run's engine has no device to name
+        print(f"generation engine {index}: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
     # a seed of its own per engine; a resumed run reseeds (+ pos): vLLM's RNG cannot be saved from outside
     pos, per_step = job["pos"], job["per_step"]
     llm = LLM(seed=job["seed"] + pos + 1_000_003 * index, **engine_kw, **quiet_vllm_console(engine_kw["model"]))
@@ -408,6 +409,8 @@ def merge_batches(parts):
             merged[k] = None if None in values else max(values)
         elif k == "time/gen_idle_s":
             merged[k] = min(values)
+        elif k == "samples":   # a few (prompt, completion, reward) rows of each engine
+            merged[k] = [row for rows in values for row in rows]
         else:
             merged[k] = sum(w * v for w, v in zip(weights, values)) / sum(weights)
     merged.update({"gen/engines": len(parts), "time/gen_min_s": min(m["time/gen_s"] for m in metrics)})
