@@ -132,7 +132,7 @@ def test_probe_check_catches_a_mismatch_and_a_reload_that_did_nothing(setup):
 
 
 def test_a_push_no_longer_warns_that_it_failed(setup, tiny_model, monkeypatch):
-    """Issue 23: vLLM 0.32 warns "RotaryEmbedding: Failed to load weights" and "ParallelLMHead: ..." at every
+    """vLLM 0.32 warns "RotaryEmbedding: Failed to load weights" and "ParallelLMHead: ..." at every
     reload, though the push landed (the log-probs match): quiet_vllm_console drops these two, and only them."""
     llm, model = setup
     reload_logger, heard = logging.getLogger(RELOAD_LOGGER), []
