@@ -148,8 +148,8 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
                  ref_sync_every, beta, max_staleness, keep_checkpoints, eval_size, ds_config, gen_device,
                  gen_devices, ref_url, lora_rank, lora_alpha, eval_only=False, **more):
     """Exits with one message naming every flag that is wrong, before anything is loaded or started;
-    if none is, rank 0 prints the run in one line: the model, the variant, where training and vLLM run,
-    the reference (--eval-only: the model and where vLLM runs)."""
+    if none is, rank 0 prints the run in one line: the model, where training and vLLM run,
+    the reference, the variant (--eval-only: the model and where vLLM runs)."""
     try:
         parse_reward_spec(rewards)
         bad_rewards = None
@@ -192,8 +192,8 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         variant = describe_variant(lora_rank=lora_rank, tis_cap=tis_cap, num_iterations=num_iterations,
                                    max_gen_rounds=max_gen_rounds, overlong_buffer=overlong_buffer,
                                    ref_sync_every=ref_sync_every, **more)
-        print(f"grpo_train.py: model {model}; {variant}; {world} training rank{'s' * (world > 1)} on {on} "
-              f"(DeepSpeed, {ds_config}); {vllm}; {reference}", flush=True)
+        print(f"grpo_train.py: model {model}; {world} training rank{'s' * (world > 1)} on {on} (DeepSpeed, "
+              f"{ds_config}); {vllm}; {reference}; {variant}", flush=True)
 
 
 def describe_variant(*, ratio_level="token", eps_low=0.2, eps_high=0.2, lora_rank=0, tis_cap=None,
