@@ -1,8 +1,9 @@
 """Resumable checkpoints of a GRPO run: out_dir/step_N holds the HF model and tokenizer, DeepSpeed's files
 (every rank's ZeRO-2 optimizer shard) and the run's state (grpo_state.json); out_dir/latest names the newest
-complete one. With LoRA, the model's place holds step_N/adapter (peft's format: load it onto --model with
-peft.PeftModel.from_pretrained) and DeepSpeed's files the adapters alone; the merged model is written only for
-the reference server (--ref-sync-every). grpo_train.py uses it; read that first."""
+complete one. With LoRA, step_N also holds step_N/adapter (peft's format: load it onto --model with
+peft.PeftModel.from_pretrained), DeepSpeed's files hold the adapters alone, and the model's place holds the
+merged model, so that a step folder loads, serves and evaluates as any model does (--eval-only --model
+step_N). grpo_train.py uses it; read that first."""
 import json
 import os
 import re
@@ -12,16 +13,67 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from lora import vllm_weights
+from run_setup import stop_with
 
 
-def fresh_state():
-    return {"step": 0, "data_pos": 0, "ref": None, "counts": {"skipped_steps": 0, "stale_dropped": 0}}
+# flags that may change when a run is resumed: its length, where it writes, and the machinery (devices,
+# servers, memory, evaluation, logging); every other flag changes what the run learns
+FREE_ON_RESUME = {
+    "steps", "out_dir", "resume", "overwrite", "resume_with_changes", "local_rank", "micro_batch",
+    "grad_ckpt", "ds_config", "gen_device", "gen_devices", "gen_mem", "gen_kv_gb", "ref_url", "ref_wait",
+    "sync_tol", "max_skips", "threads", "dist_timeout", "eval_every", "eval_size", "eval_only",
+    "save_every", "keep_checkpoints", "tensorboard", "log_completions"}
+# flags no resume can change: the checkpoint's weights are these
+FIXED_ON_RESUME = ("model", "lora_rank", "lora_targets")
 
 
-def read_state(out_dir, resume, master):
-    """All ranks: the run's state, a fresh one or (resume) the one saved with the checkpoint `latest` names.
-    Read before the engine is built: the generation process starts from it while DeepSpeed sets up."""
-    state, latest = fresh_state(), os.path.join(out_dir, "latest")
+def fresh_state(config=None):
+    return {"step": 0, "data_pos": 0, "ref": None, "counts": {"skipped_steps": 0, "stale_dropped": 0},
+            "config": config}
+
+
+def holds_run(out_dir):
+    """-> what in out_dir shows that a run wrote there (its checkpoint or metrics), or None."""
+    latest, metrics = os.path.join(out_dir, "latest"), os.path.join(out_dir, "metrics.jsonl")
+    if os.path.exists(latest):
+        with open(latest) as f:
+            return f"its checkpoint {f.read().strip()}"
+    if os.path.exists(metrics) and os.path.getsize(metrics):
+        return "its metrics.jsonl"
+    return None
+
+
+def flag_changes(saved, config):
+    """-> ["--lr 0.001 (was 1e-06)", ...]: the flags of config that differ from the saved run's."""
+    return [f"--{k.replace('_', '-')} {config.get(k)} (was {v})" for k, v in saved.items()
+            if k not in FREE_ON_RESUME and config.get(k) != v]
+
+
+def clear_run(out_dir):
+    """--overwrite: the checkpoints and `latest` of the run out_dir held (metrics.jsonl is rewritten)."""
+    for name in os.listdir(out_dir):
+        if name == "latest" or re.fullmatch(r"step_\d+(\.tmp)?", name):
+            path = os.path.join(out_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def read_state(master, *, out_dir, resume, overwrite=False, resume_with_changes=False, eval_only=False,
+               **flags):
+    """All ranks: the run's state, a fresh one or (resume) the one saved with the checkpoint `latest` names;
+    it records the run's flags (config), which a resume compares. Read before the engine is built: the
+    generation process starts from it while DeepSpeed sets up. An --out-dir that holds another run is
+    refused unless --resume or --overwrite; a resume that would change the run is refused unless
+    --resume-with-changes, and one with another --model or --lora-rank always: one line each."""
+    config = {k: v for k, v in flags.items() if k not in FREE_ON_RESUME}
+    state, latest = fresh_state(config), os.path.join(out_dir, "latest")
+    found = None if eval_only or not os.path.isdir(out_dir) else holds_run(out_dir)
+    if found and not (resume or overwrite):
+        stop_with(f"--out-dir {out_dir} holds another run ({found}): --resume continues it, --overwrite "
+                  f"replaces it, or pass another --out-dir")
+    if found and overwrite and not resume:
+        if master:
+            clear_run(out_dir)
+        return state
     if not resume:
         return state
     if not os.path.exists(latest):
@@ -32,8 +84,19 @@ def read_state(out_dir, resume, master):
         path = os.path.join(out_dir, f.read().strip())
     with open(os.path.join(path, "grpo_state.json")) as f:
         state.update(json.load(f))
+    saved, state["config"] = state["config"] or {}, config
+    if fixed := [k for k in FIXED_ON_RESUME if k in saved and saved[k] != config.get(k)]:
+        was = " ".join(f"--{k.replace('_', '-')} {saved[k]}" for k in fixed)
+        now = " ".join(f"--{k.replace('_', '-')} {config.get(k)}" for k in fixed)
+        stop_with(f"--resume: {path} was trained with {was}; it cannot continue with {now} (pass "
+                  f"{was}, or start a new run in another --out-dir)")
+    changes = flag_changes(saved, config)
+    if changes and not resume_with_changes:
+        stop_with(f"--resume: these flags differ from {path}'s run: {', '.join(changes)}; "
+                  f"--resume-with-changes continues with them, or pass the run's values")
     if master:
-        print(f"resuming after step {state['step']} from {path}", flush=True)
+        print(f"resuming after step {state['step']} from {path}"
+              + (f" with {', '.join(changes)}" if changes else ""), flush=True)
     return state
 
 
@@ -67,7 +130,7 @@ def save_checkpoint(engine, tokenizer, out_dir, state, *, keep, new_reference=Fa
         lora = bool(getattr(engine.module, "peft_config", None))
         # a peft folder beside config.json would make transformers load its adapters onto the base model it names
         engine.module.save_pretrained(os.path.join(tmp, "adapter") if lora else tmp)
-        if lora and new_reference:
+        if lora:
             save_merged(engine.module, tmp)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "grpo_state.json"), "w") as f:
@@ -86,8 +149,9 @@ def save_checkpoint(engine, tokenizer, out_dir, state, *, keep, new_reference=Fa
 
 
 def save_merged(model, path):
-    """A LoRA policy as a checkpoint of its base architecture, adapters merged, for the reference server's
-    /reload: config.json, generation_config.json, model.safetensors (one file, as the weights vLLM gets)."""
+    """A LoRA policy as a checkpoint of its base architecture, adapters merged (for from_pretrained, vLLM and
+    the reference server's /reload): config.json, generation_config.json, model.safetensors (one file, as
+    the weights vLLM gets)."""
     model.config.save_pretrained(path)
     model.generation_config.save_pretrained(path)
     save_file({name: w.contiguous() for name, w in vllm_weights(model)}, os.path.join(path, "model.safetensors"),

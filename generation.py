@@ -212,7 +212,9 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
     watch_parent(check_parent)
     register_gloo()
     skipped = never_pushed(engine_kw["model"])
-    print(f"generation engine {index}: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
+    # a CPU run's engine has no device to name
+    if torch.cuda.is_available():
+        print(f"generation engine {index}: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
     # a seed of its own per engine; a resumed run reseeds (+ pos): vLLM's RNG cannot be saved from outside
     pos, per_step = job["pos"], job["per_step"]
     llm = LLM(seed=job["seed"] + pos + 1_000_003 * index, **engine_kw, **quiet_vllm_console(engine_kw["model"]))
@@ -329,6 +331,8 @@ def merge_batches(parts):
             merged[k] = None if None in values else max(values)
         elif k == "time/gen_idle_s":
             merged[k] = min(values)
+        elif k == "samples":   # a few (prompt, completion, reward) rows of each engine
+            merged[k] = [row for rows in values for row in rows]
         else:
             merged[k] = sum(w * v for w, v in zip(weights, values)) / sum(weights)
     merged.update({"gen/engines": len(parts), "time/gen_min_s": min(m["time/gen_s"] for m in metrics)})

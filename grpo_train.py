@@ -1,5 +1,5 @@
 """GRPO in one file: vLLM samples, a server holds the reference model, DeepSpeed ZeRO-2 trains.
-    deepspeed --num_gpus 1 grpo_train.py --model runs/demo/model --task demo --rewards demo
+    deepspeed --log_level critical --num_gpus 1 grpo_train.py --model runs/demo/model --lr 3e-4
 
 The choices of one step (docs/variants.md: the flags that change them):
  1. Rollout: vLLM samples G completions per prompt, with each token's log-prob under the policy
@@ -74,7 +74,6 @@ def get_args(argv=None):
     g.add_argument("--ref-sync-every", type=int, default=0, help="reference reloads policy every K")
     # system, evaluation, logging and checkpoint flags: with the code they steer
     add_system_args(p)
-    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return p.parse_args(argv)
 
 def advantages(scores, group_size, scale="group", std_floor=0.0):
@@ -178,10 +177,10 @@ def rollout(llm, next_prompts, n_prompts, args):
                             use_tqdm=False)
         # score: every completion with every reward, plus the overlong penalty
         jobs = [(decode(c.token_ids), s, c) for s, o in zip(picked, outs) for c in o.outputs]
-        for (*_, c), (total, parts, n_err) in rewards.score_all(jobs, spec, args.reward_workers):
+        for (text, s, c), (total, parts, n_err) in rewards.score_all(jobs, spec, args.reward_workers):
             parts["overlong"] = rewards.overlong_penalty(
                 len(c.token_ids), args.max_new_tokens, args.overlong_buffer)
-            scored.append((total + parts["overlong"], parts, n_err, c))
+            scored.append((total + parts["overlong"], parts, n_err, c, s["prompt"], text))
         # advantages within each group; filter: groups with equal rewards are dropped
         adv, signal = advantages([x[0] for x in scored[-size:]], args.group_size,
                                  args.scale_rewards, args.std_floor)
@@ -192,7 +191,7 @@ def rollout(llm, next_prompts, n_prompts, args):
                        "old": old, "truncated": c.finish_reason == "length"}
                 (kept if has_signal else dropped).append(seq)
     fill = [(len(s["completion"]), s["truncated"]) for s in dropped[:max(0, size - len(kept))]]
-    metrics = rollout_metrics(scored, rounds, len(kept), len(dropped), args.group_size)
+    metrics = rollout_metrics(scored, rounds, len(kept), len(dropped), args)
     return {"seqs": kept[:size], "fill": fill, "metrics": metrics}
 
 def reference(seqs, args):
@@ -233,14 +232,14 @@ def main(args):
     # the one process with side effects: vLLM, weight pushes, logs
     master_process = rank == 0
     check_config(world, **vars(args))
+    state = read_state(master_process, **vars(args))
     model, tok = load_policy(**vars(args))
-    state = read_state(args.out_dir, args.resume, master_process)
     train_set, eval_set, too_long = load_prompts(tok, **vars(args))
     # vLLM starts (15 s on CPU) while DeepSpeed sets up, and waits for the first weights
     if master_process:
         gen = GenerationProcess(partial(rollout, args=args), partial(reference, args=args),
                                 train_set, eval_set, state, model, **vars(args))
-        log = MetricsLog(args.out_dir, state["step"], args.tensorboard, args.eval_only)
+        log = MetricsLog(state["step"], **vars(args))
     engine = build_engine(model, args.ds_config, args.lr, args.micro_batch)
     load_checkpoint(engine, args.out_dir, state["step"])
     counters = Counters(state["counts"], args.max_skips)

@@ -11,17 +11,22 @@ import torch
 import torch.distributed as dist
 
 
-def rollout_metrics(scored, rounds, n_kept, n_dropped, group_size):
-    """A batch's reward/*, completion_len/*, frac_zero_std, gen/rounds, gen/samples and batch/groups.
-    scored: (total reward, {reward name: value}, reward errors, vLLM completion) of every sample."""
-    totals, parts, errors, completions = zip(*scored)
+def rollout_metrics(scored, rounds, n_kept, n_dropped, args):
+    """A batch's reward/*, completion_len/*, frac_zero_std, gen/rounds, gen/samples, batch/groups, and
+    "samples": max(2, --log-completions) of its (prompt, completion, reward) rows, spread over its groups
+    (MetricsLog writes them to completions.jsonl, and NoSignalWatch shows two). scored: (total reward,
+    {reward name: value}, reward errors, vLLM completion, prompt text, completion text) of every sample."""
+    totals, parts, errors, completions, prompts, texts = zip(*scored)
+    group_size, n_samples = args.group_size, max(2, args.log_completions)
+    picked = range(0, len(scored), max(1, len(scored) // n_samples))[:n_samples]
     metrics = {f"reward/{name}": mean([p[name] for p in parts]) for name in parts[0]}
     metrics.update({
         "reward/mean": mean(totals), "reward/errors": sum(errors),
         "completion_len/mean": mean([len(c.token_ids) for c in completions]),
         "completion_len/truncated": mean([c.finish_reason == "length" for c in completions]),
         "frac_zero_std": n_dropped / (n_kept + n_dropped), "gen/rounds": rounds, "gen/samples": len(scored),
-        "batch/groups": min(n_kept, len(completions) // rounds) // group_size})
+        "batch/groups": min(n_kept, len(completions) // rounds) // group_size,
+        "samples": [{"prompt": prompts[i], "completion": texts[i], "reward": totals[i]} for i in picked]})
     return metrics
 
 
@@ -123,11 +128,13 @@ class NoSignalWatch:
     rewards (frac_zero_std 1: every advantage 0, so loss and gradient 0), one warning that names what those
     batches show; again only after a step with signal."""
 
-    def __init__(self, patience=3):
-        self.patience, self.streak = patience, []
+    def __init__(self, patience=3, template=lambda: None):
+        self.patience, self.streak, self.template = patience, [], template
 
-    def check(self, log):
-        """log: a step's metrics -> the warning to print, or None."""
+    def check(self, log, samples=()):
+        """log: a step's metrics, samples: some of its (prompt, completion, reward) rows -> the warning to
+        print, or None. It shows two of the completions, and names the chat template when one was applied
+        (template(): its description, or None)."""
         self.streak = self.streak + [log] if log["frac_zero_std"] == 1 else []
         if len(self.streak) != self.patience:
             return None
@@ -151,18 +158,45 @@ class NoSignalWatch:
         if not findings:
             findings.append(f"the completions of each prompt score alike (mean reward {reward:.3f}); more "
                             f"--group-size or --temperature gives groups a chance to differ")
+        if template := self.template():
+            findings.append(f"the prompts went through {template} (--chat-template none: as written)")
+        shown = [f"{clip(r['prompt'])} -> {clip(r['completion'])} (reward {r['reward']:.3f})"
+                 for r in samples[:2]]
+        if shown:
+            findings.append("two of the last step's completions: " + ", ".join(shown))
         return (f"no learning signal: for {self.patience} steps in a row every group's completions had equal "
                 f"rewards (frac_zero_std 1), so the loss and gradient are 0: " + "; ".join(findings))
 
 
-class MetricsLog:
-    """metrics.jsonl (one JSON object per step, with time/elapsed_s), tensorboard if asked, and a progress
-    line per step (with NoSignalWatch's warning). On resume the file keeps the steps up to the checkpoint, so
-    it stays one line per step. With --eval-only it writes eval.json instead."""
+def clip(text, width=80):
+    """A prompt or completion in one line: quoted, its newlines and markers visible, the middle cut."""
+    text = repr(text)
+    return text if len(text) <= width else text[:width // 2 - 2] + " .. " + text[-(width // 2 - 2):]
 
-    def __init__(self, out_dir, resume_step, tensorboard, eval_only):
+
+def describe_template(model, task, chat_template):
+    """"MODEL's chat template" when the prompts of this run went through one (tasks.chat_prompt's rule),
+    else None. Loads the tokenizer: only called when a warning names it."""
+    if chat_template == "none" or task == "demo":
+        return None
+    from transformers import AutoTokenizer
+    has_template = getattr(AutoTokenizer.from_pretrained(model), "chat_template", None)
+    return f"{model}'s chat template" if has_template else None
+
+
+class MetricsLog:
+    """metrics.jsonl (one JSON object per step, with time/elapsed_s), tensorboard if asked, a progress
+    line per step (with NoSignalWatch's warning), completions.jsonl (--log-completions), and at the last
+    step the run's summary line. On resume the file keeps the steps up to the checkpoint, so it stays one
+    line per step. With --eval-only it writes eval.json instead."""
+
+    def __init__(self, resume_step, *, out_dir, steps, tensorboard=False, eval_only=False, log_completions=0,
+                 model=None, task="demo", chat_template="none", **_):
         self.out_dir, self.t_start, self.file, self.tb = out_dir, time.time(), None, None
-        self.no_signal = NoSignalWatch()
+        self.steps, self.log_completions, self.first_step = steps, log_completions, resume_step + 1
+        self.no_signal = NoSignalWatch(template=lambda: describe_template(model, task, chat_template))
+        # (eval/step, eval/accuracy) of the run, the resumed part's included: the summary's before -> after
+        self.evals = []
         os.makedirs(out_dir, exist_ok=True)
         if eval_only:
             return
@@ -172,10 +206,12 @@ class MetricsLog:
             with open(path) as f:
                 for line in f:
                     try:
-                        if json.loads(line)["step"] <= resume_step:
-                            kept.append(line)
+                        row = json.loads(line)
                     except json.JSONDecodeError:   # the torn last line of a killed run
-                        pass
+                        continue
+                    if row["step"] <= resume_step:
+                        kept.append(line)
+                        self.evals += [(row["eval/step"], row["eval/accuracy"])] if "eval/step" in row else []
         with open(path + ".tmp", "w") as f:
             f.writelines(kept)
         os.replace(path + ".tmp", path)
@@ -185,6 +221,7 @@ class MetricsLog:
             self.tb = SummaryWriter(out_dir)
 
     def write(self, log):
+        samples = log.pop("samples", [])
         log["time/elapsed_s"] = time.time() - self.t_start
         self.file.write(json.dumps(log) + "\n")
         self.file.flush()
@@ -193,13 +230,35 @@ class MetricsLog:
                 self.tb.add_scalar(k, v, log["step"])
         # an evaluation arrives a step or so after the push it scores: its own step says which weights
         evals = f" | eval {log['eval/accuracy']:.3f} (step {log['eval/step']})" if "eval/step" in log else ""
+        clipped = log.get("clip/low", 0) + log.get("clip/high", 0)
         print(f"step {log['step']:4d} | reward {log['reward/mean']:.3f} | loss {log['loss']:+.4f} | "
-              f"kl {log['kl']:.4f} | entropy {log['entropy']:.3f} | len {log['completion_len/mean']:.1f} | "
-              f"zero-std {log['frac_zero_std']:.2f}{evals}", flush=True)
-        if warning := self.no_signal.check(log):
+              f"kl {log['kl']:.4f} | clip {clipped:.2f} | entropy {log['entropy']:.3f} | "
+              f"len {log['completion_len/mean']:.1f} | zero-std {log['frac_zero_std']:.2f}{evals}", flush=True)
+        if warning := self.no_signal.check(log, samples):
             print(warning, flush=True)
         if log["step"] == 1 and (warning := first_step_check(log)):
             print(warning, flush=True)
+        if "eval/step" in log:
+            self.evals.append((log["eval/step"], log["eval/accuracy"]))
+            if self.log_completions:
+                self.write_completions(log["step"], samples[:self.log_completions])
+        if log["step"] == self.steps:
+            print(self.summary(log["step"]), flush=True)
+
+    def write_completions(self, step, samples):
+        """--log-completions: this step's sampled rows, one JSON object each, to completions.jsonl."""
+        with open(os.path.join(self.out_dir, "completions.jsonl"), "a") as f:
+            f.writelines(json.dumps({"step": step, **row}) + "\n" for row in samples)
+
+    def summary(self, step):
+        """The run's last line: held-out accuracy before -> after, the steps, the wall time, and the last
+        checkpoint (the one this step is about to save)."""
+        wall = time.time() - self.t_start
+        took = f"{int(wall // 60)} min {wall % 60:.0f} s" if wall >= 60 else f"{wall:.0f} s"
+        accuracy = (f"held-out accuracy {self.evals[0][1]:.3f} (step {self.evals[0][0]}) -> "
+                    f"{self.evals[-1][1]:.3f} (step {self.evals[-1][0]})" if self.evals else "no evaluation")
+        return (f"done: {accuracy}; steps {self.first_step}-{step} in {took}; last checkpoint "
+                f"{os.path.join(self.out_dir, f'step_{step}')}")
 
     def write_eval(self, model, task, n, evals):
         """--eval-only: the result, as one JSON line on stdout and in out_dir/eval.json."""

@@ -2,6 +2,7 @@
 checks, the model and DeepSpeed engine, the prompts, and how the ranks share a batch. grpo_train.py uses
 it; read that first. A user's mistake (a flag, the data) stops the run with one line (stop_with); a
 traceback means a bug."""
+import argparse
 import contextlib
 import datetime
 import gc
@@ -68,6 +69,7 @@ def add_system_args(p):
     """The flags that steer the machinery rather than the algorithm (grpo_train.py has those); and a bad
     flag's error in one line (argparse prints its whole usage first: 50 lines here)."""
     p.error = lambda message: stop_with(f"{message} (--help lists the flags)")
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     g = p.add_argument_group("data and memory")
     g.add_argument("--prompt-key", default="prompt", help="--task custom: the prompt column")
     g.add_argument("--answer-key", default="answer", help="--task custom: the answer column")
@@ -116,16 +118,27 @@ def add_system_args(p):
     g.add_argument("--eval-size", type=int, default=200,
                    help="held-out samples per evaluation (held out of --data when it has no test split)")
     g.add_argument("--eval-only", action="store_true", help="evaluate --model on the held-out split and exit")
-    g.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end)")
+    g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
     g.add_argument("--keep-checkpoints", type=int, default=2,
                    help="checkpoints kept on disk, newest first (0: all); the reference's is kept too")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
+    g.add_argument("--resume-with-changes", action="store_true",
+                   help="--resume even where flags that change the run differ from the checkpoint's")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --out-dir that holds another run (its checkpoints are deleted)")
+    g.add_argument("--log-completions", type=int, default=0,
+                   help="sampled (prompt, completion, reward) rows written per evaluation to completions.jsonl")
     g.add_argument("--tensorboard", action="store_true", help="also log to tensorboard in --out-dir")
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
 
 
 def init_distributed(timeout_minutes, threads):
     """-> (rank, world size). One GPU per rank; SIGTERM ends a rank as Ctrl-C does; `threads` torch threads,
     since the CPU is shared with vLLM and the reference server."""
+    # without the launcher DeepSpeed looks for MPI instead, and fails on a missing mpi4py
+    if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+        stop_with("start it through the deepspeed launcher, which starts its processes: deepspeed "
+                  "--num_gpus 1 grpo_train.py --model ... (docs: README.md)")
     if torch.cuda.is_available():   # before any collective
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
@@ -153,9 +166,11 @@ def unlink_shm_buffer():
 def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_batch, steps, num_iterations,
                  max_gen_rounds, max_skips, temperature, is_min, is_max, overlong_buffer, max_new_tokens,
                  ref_sync_every, beta, max_staleness, keep_checkpoints, eval_size, ds_config, gen_device,
-                 gen_devices, ref_url, ref_device, lora_rank, lora_alpha, gen_mem, off_policy_mask, **_):
+                 gen_devices, ref_url, ref_device, lora_rank, lora_alpha, gen_mem, off_policy_mask,
+                 eval_only=False, **more):
     """Exits with one message naming every flag that is wrong, before anything is loaded or started;
-    if none is, rank 0 prints the run in one line: the model, where training and vLLM run, the reference."""
+    if none is, rank 0 prints the run in one line: the model, where training and vLLM run,
+    the reference, the variant (--eval-only: the model and where vLLM runs)."""
     try:
         parse_reward_spec(rewards)
         bad_rewards = None
@@ -197,16 +212,48 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         on = "GPU" if torch.cuda.is_available() else "CPU"
         engines, servers = gen_devices or [gen_device], server_urls(ref_url or "")
         where = f"GPU {','.join(map(str, engines))}" if on == "GPU" else on
+        vllm = f"{len(engines)} vLLM engine{'s' * (len(engines) > 1)} on {where}"
+        if eval_only:
+            print(f"grpo_train.py: evaluating {model} on the held-out split; {vllm}", flush=True)
+            return
         started = f"reference server started by rank 0 on {reference_device(ref_device, engines)}"
         reference = ("no reference (--beta 0)" if beta == 0 else f"{started} (--beta {beta})" if not servers
                      else f"reference server{'s' * (len(servers) > 1)} {', '.join(servers)} (--beta {beta})")
+        variant = describe_variant(lora_rank=lora_rank, is_min=is_min, is_max=is_max,
+                                   off_policy_mask=off_policy_mask, num_iterations=num_iterations,
+                                   max_gen_rounds=max_gen_rounds, overlong_buffer=overlong_buffer, ref_sync_every=ref_sync_every, **more)
         print(f"grpo_train.py: model {model}; {world} training rank{'s' * (world > 1)} on {on} (DeepSpeed, "
-              f"{ds_config}); {len(engines)} vLLM engine{'s' * (len(engines) > 1)} on {where}; {reference}",
-              flush=True)
+              f"{ds_config}); {vllm}; {reference}; {variant}", flush=True)
+
+
+def describe_variant(*, ratio_level="token", eps_low=0.2, eps_high=0.2, lora_rank=0, is_mode="none",
+                     is_min=0.0, is_max=3.0, off_policy_mask=None, kl_is_weight=False, fp32_lm_head=False,
+                     num_iterations=1, scale_rewards="group", loss_norm="sampled", agg="seq-mean-token-mean",
+                     mask_truncated=False, overlong_buffer=0, max_gen_rounds=1, ref_sync_every=0, **_):
+    """The start-up line's words for the variant that runs (docs/variants.md): "GRPO" and whatever the
+    flags change, e.g. "GSPO (sequence ratio, clip 0.0003/0.0004), LoRA rank 16"."""
+    ratio = "GSPO (sequence ratio" if ratio_level == "sequence" else "GRPO (token ratio"
+    parts = [f"{ratio}, clip {eps_low:g}/{eps_high:g}, {agg})"]
+    parts += [text for on, text in [
+        (lora_rank, f"LoRA rank {lora_rank}"),
+        (is_mode != "none", f"importance sampling {is_mode} [{is_min:g}, {is_max:g}]"),
+        (off_policy_mask is not None, f"off-policy sequence mask {off_policy_mask}"),
+        (kl_is_weight, "KL weighted by the ratio to vLLM"),
+        (fp32_lm_head, "lm_head in fp32"),
+        (num_iterations > 1, f"{num_iterations} optimizer steps per batch"),
+        (scale_rewards != "group", f"advantages scaled by {scale_rewards} std" if scale_rewards != "none"
+         else "advantages not scaled by std (Dr. GRPO)"),
+        (loss_norm != "sampled", "loss divided by the kept sequences"),
+        (mask_truncated, "no loss on cut-off completions"),
+        (overlong_buffer, f"overlong penalty over the last {overlong_buffer} tokens"),
+        (max_gen_rounds > 1, f"dynamic sampling (up to {max_gen_rounds} rounds)"),
+        (ref_sync_every, f"reference reloaded every {ref_sync_every} steps"),
+    ] if on]
+    return ", ".join(parts)
 
 
 def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, seed=0,
-                fp32_lm_head=False, **_):
+                eval_only=False, fp32_lm_head=False, **_):
     """-> (HF model, tokenizer). The dtype is the reference server's rule: bf16 only on GPUs that have it
     natively, fp32 otherwise; vLLM is then given the same (generation.vllm_dtype). lora_rank > 0: peft's LoRA
     adapters (B starts at zero: the policy starts as the base model) are its only trainable weights."""
@@ -232,7 +279,7 @@ def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_ta
                                      target_modules=targets))
     if fp32_lm_head:
         head_in_fp32(model.get_output_embeddings())
-    if dist.is_initialized() and dist.get_rank() == 0:
+    if dist.is_initialized() and dist.get_rank() == 0 and not eval_only:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
         print(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%)", flush=True)
@@ -278,7 +325,7 @@ def build_engine(model, ds_config_path, lr, micro_batch):
 
 
 def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key, answer_key, chat_template,
-                 **_):
+                 eval_only=False, **_):
     """-> (train samples, held-out samples, number of prompts skipped for being over max_prompt_len).
     Each sample has its prompt's token ids ("prompt_ids", from drop_long_prompts), which vLLM is given.
     Data without a test split gives eval_size distinct prompts of its train split to the held-out set (a
@@ -319,8 +366,9 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
             f"all {len(lengths)} are longer than --max-prompt-len {max_prompt_len} tokens (the shortest has "
             f"{min(lengths)}{why})" if lengths else "no records"))
     if first_rank():
-        print(f"grpo_train.py: {source}: {len(train_set)} prompts to train on ({too_long} longer than "
-              f"--max-prompt-len skipped), {len(eval_set)} held out for evaluation{note}", flush=True)
+        training = "" if eval_only else (f"{len(train_set)} prompts to train on ({too_long} longer than "
+                                         f"--max-prompt-len skipped), ")
+        print(f"grpo_train.py: {source}: {training}{len(eval_set)} held out for evaluation{note}", flush=True)
     return train_set, eval_set, too_long
 
 

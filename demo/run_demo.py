@@ -76,6 +76,8 @@ def main(argv=None):
     env["REF_SERVER_TOKEN"] = secrets.token_hex(16)
     servers = [subprocess.Popen([sys.executable, "ref_server.py", "--model", model_dir, "--port", url.rsplit(":", 1)[1],
                                  "--threads", "1", "--checkpoint-dir", out], cwd=ROOT, env=env) for url in urls]
+    # the demo rebuilds its model, so the previous demo's run in --out-dir is replaced unless resumed
+    fresh = [] if "--resume" in extra else ["--overwrite"]
     try:
         deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
         # the launcher at --log_level warning: its INFO lines (its environment, each rank's command) are for
@@ -85,7 +87,7 @@ def main(argv=None):
                                 "grpo_train.py", "--model", model_dir, "--out-dir", out,
                                 *(["--ref-url", ",".join(urls)] if urls else []),
                                 "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
-                                *TRAIN_FLAGS, *extra], cwd=ROOT, env=env, start_new_session=True)
+                                *TRAIN_FLAGS, *fresh, *extra], cwd=ROOT, env=env, start_new_session=True)
         try:
             while run.poll() is None:   # a server that dies stops the run now, not after --ref-wait
                 for server in servers:

@@ -101,7 +101,7 @@ def test_padding_bench_counts_less_padding_longest_first():
     """bench/padding.py on real GSM8K lengths, tiny: 3 batches; the grouped cut pads less at 1 and 2 ranks,
     over the same real tokens."""
     if not os.path.isdir(GSM8K):
-        pytest.skip("no ../shared/data/gsm8k (a fresh clone has none)")
+        pytest.skip("the GSM8K files are not on this machine")
     out = run("bench/padding.py", "--data", GSM8K, "--steps", "3", "--ranks", "1", "2", timeout=300)
     rows = table_rows(out)
     assert [(r[0], r[1]) for r in rows] == [("1", "in order (before)"), ("1", "longest first (after)"),

@@ -1,6 +1,7 @@
 """Resumable checkpoints (checkpoints.save_checkpoint / load_checkpoint) with the real DeepSpeed ZeRO-2 engine, one
 gloo rank in a child process: a resumed run takes exactly the step the uninterrupted run took, because the
 optimizer state came back too; a save killed halfway never becomes `latest`."""
+import json
 import os
 import re
 import subprocess
@@ -36,7 +37,7 @@ if phase == "first":
     os.makedirs(os.path.join(out, "step_3.tmp"))   # what a save killed halfway leaves
     open(os.path.join(out, "step_3.tmp", "junk"), "w").write("x")
 elif phase == "resumed":
-    state = read_state(out, resume=True, master=True)   # before the engine loads it, as grpo_train.main does
+    state = read_state(True, out_dir=out, resume=True)   # before the engine loads it, as grpo_train.main does
     load_checkpoint(engine, out, state["step"])
     assert (state["step"], state["data_pos"], state["counts"]["stale_dropped"]) == (2, 7, 0), state
 elif phase == "weights-only" and int(lora_rank):   # step 2's adapters, without their optimizer state
@@ -81,15 +82,17 @@ def test_resume_restores_model_and_optimizer_exactly(tmp_path, tiny_model):
 
 def test_lora_resume_is_exact_and_keeps_the_adapters_and_their_optimizer_alone(tmp_path, tiny_model):
     """--lora-rank 4: the checkpoint holds the adapters (peft's folder, which loads onto the base model as the
-    trained policy) and their optimizer state, Adam's moments the adapters' size; a resumed run takes the
-    uninterrupted run's third step bit for bit, and the same adapters without their optimizer state do not."""
+    trained policy), their optimizer state, Adam's moments the adapters' size, and the merged model, which
+    from_pretrained loads as the trained policy (so --eval-only --model step_N evaluates it); a resumed run
+    takes the uninterrupted run's third step bit for bit, and the same adapters without their optimizer state
+    do not."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     first, out = run("first", tiny_model, tmp_path, 29653, lora_rank=4)
     moments, trainable, total = (int(w) for w in re.search(r"^moments (\d+) (\d+) (\d+)$", out, re.M).groups())
     assert moments == trainable and 0 < trainable < total / 10, out
     ckpt = tmp_path / "step_2"
-    assert (ckpt / "adapter" / "adapter_model.safetensors").exists() and not (ckpt / "model.safetensors").exists()
+    assert (ckpt / "adapter" / "adapter_model.safetensors").exists() and (ckpt / "config.json").exists()
     # DeepSpeed's files: the adapters and 3 fp32 copies of them (master, 2 moments), not the base model
     ds_bytes = sum(f.stat().st_size for f in ckpt.glob("*.pt"))
     assert ds_bytes < 4 * 4 * trainable + 2**20 < 4 * total, ds_bytes
@@ -106,6 +109,8 @@ def test_lora_resume_is_exact_and_keeps_the_adapters_and_their_optimizer_alone(t
     with torch.no_grad():
         torch.testing.assert_close(policy(ids).logits, trained, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(base(ids).logits, trained, atol=1e-3)
+        merged = AutoModelForCausalLM.from_pretrained(ckpt)
+        torch.testing.assert_close(merged(ids).logits, trained, rtol=1e-5, atol=1e-5)
 
 
 def test_pruning_keeps_the_newest_and_the_reference_and_leaves_later_ones(tmp_path):
@@ -131,3 +136,87 @@ def test_vllm_is_told_the_trainers_dtype(tiny_model):
     model, _ = load_policy(tiny_model, grad_ckpt=False)
     assert model.dtype == torch.float32 and vllm_dtype(model.dtype) == "float32"   # no GPU here
     assert vllm_dtype(torch.bfloat16) == "bfloat16"
+
+
+def flags(*argv):
+    """grpo_train.py's flags as read_state gets them (vars of the parsed arguments)."""
+    from grpo_train import get_args
+    return vars(get_args(["--model", "m/base", *argv]))
+
+
+def a_run(out_dir, *argv):
+    """What a run with these flags leaves: metrics.jsonl and checkpoint step_10 naming its configuration."""
+    from checkpoints import fresh_state
+    config = {k: v for k, v in flags(*argv).items() if k not in ("out_dir", "resume")}
+    state = {**fresh_state(), "step": 10, "config": read_config(config)}
+    (out_dir / "step_10").mkdir(parents=True)
+    (out_dir / "step_10" / "grpo_state.json").write_text(json.dumps(state))
+    (out_dir / "latest").write_text("step_10")
+    (out_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+
+
+def read_config(config):
+    from checkpoints import FREE_ON_RESUME
+    return {k: v for k, v in config.items() if k not in FREE_ON_RESUME}
+
+
+def refusal(capsys, out_dir, *argv):
+    """read_state's one line for these flags (it exits with status 1), or None if it takes them."""
+    from checkpoints import read_state
+    try:
+        read_state(True, **{**flags(*argv), "out_dir": str(out_dir)})
+    except SystemExit as e:
+        assert e.code == 1
+        (line,) = capsys.readouterr().err.splitlines()
+        return line
+    return None
+
+
+def test_an_out_dir_holding_a_run_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
+    a_run(tmp_path, "--lr", "3e-4")
+    line = refusal(capsys, tmp_path, "--lr", "3e-4")
+    assert line.startswith(f"grpo_train.py: --out-dir {tmp_path} holds another run (its checkpoint step_10)")
+    assert "--resume continues it, --overwrite replaces it" in line
+    assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume") is None
+    assert refusal(capsys, tmp_path, "--lr", "3e-4", "--eval-only") is None   # it writes eval.json only
+    # --overwrite: the old run's checkpoints go, so no stale step_10 stays beside the new run's
+    (tmp_path / "model").mkdir()
+    assert refusal(capsys, tmp_path, "--overwrite") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "model"]
+
+
+def test_a_resume_that_changes_the_run_says_which_flags_and_needs_consent(tmp_path, capsys):
+    a_run(tmp_path, "--lr", "3e-4")
+    # more steps, another evaluation cadence or device: the same run, continued
+    assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--steps", "500", "--eval-every", "5",
+                   "--micro-batch", "2", "--gen-device", "1") is None
+    assert "resuming after step 10 from" in capsys.readouterr().out
+    line = refusal(capsys, tmp_path, "--lr", "1e-6", "--group-size", "4", "--resume")
+    assert "--group-size 4 (was 8), --lr 1e-06 (was 0.0003)" in line, line
+    assert "--resume-with-changes" in line
+    assert refusal(capsys, tmp_path, "--lr", "1e-6", "--resume", "--resume-with-changes") is None
+    assert "resuming after step 10 from" in capsys.readouterr().out
+    # another base model or LoRA shape cannot continue these weights: refused even with consent
+    for argv, named in [(["--lora-rank", "8"], "--lora-rank 0; it cannot continue with --lora-rank 8"),
+                        (["--model", "m/other"], "--model m/base; it cannot continue with --model m/other")]:
+        line = refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--resume-with-changes", *argv)
+        assert named in line, line
+
+
+def test_the_summary_line_and_completions_file(tmp_path, capsys):
+    """The last step prints one line: held-out accuracy before -> after, the steps, the wall time and the
+    last checkpoint; --log-completions 3 writes 3 sampled rows at each step that carries an evaluation."""
+    from metrics import MetricsLog
+    log = MetricsLog(0, **{**flags("--steps", "2", "--log-completions", "3"), "out_dir": str(tmp_path)})
+    samples = [{"prompt": f"{i}+1=", "completion": "<answer>2</answer>", "reward": 0.5} for i in range(4)]
+    row = {"reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "entropy": 1.0, "completion_len/mean": 5.0,
+           "frac_zero_std": 0.5, "clip/low": 0.25, "clip/high": 0.5}
+    log.write({"step": 1, **row, "eval/accuracy": 0.25, "eval/step": 0, "samples": samples})
+    log.write({"step": 2, **row, "eval/accuracy": 0.75, "eval/step": 2, "samples": samples})
+    lines = capsys.readouterr().out.splitlines()
+    assert "| clip 0.75 |" in lines[0]
+    assert re.fullmatch(rf"done: held-out accuracy 0.250 \(step 0\) -> 0.750 \(step 2\); steps 1-2 in \d+ s; "
+                        rf"last checkpoint {tmp_path}/step_2", lines[-1]), lines[-1]
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2] and rows[0] == {"step": 1, **samples[0]}
+    assert "samples" not in (tmp_path / "metrics.jsonl").read_text()

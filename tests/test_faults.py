@@ -339,7 +339,7 @@ def said(out):
 
 
 def test_each_kind_of_mistake_ends_in_one_line_through_the_launcher(tmp_path, tiny_model):
-    """Issue 23: a wrong --data, a missing column, a malformed record and a bad flag value each end the run
+    """A wrong --data, a missing column, a malformed record and a bad flag value each end the run
     with one line naming the flag, file, line and column, and a non-zero exit status; no rank prints a
     traceback, and the launcher adds only its report of the exit (before: ~30 lines, a traceback per rank).
     The bad flag runs at world size 2, where both ranks find it and one says it. Launched side by side."""

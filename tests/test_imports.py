@@ -1,4 +1,4 @@
-"""No import cycle among the top-level modules (issue 11): each *.py at the repository's root, its imports
+"""No import cycle among the top-level modules: each *.py at the repository's root, its imports
 read with `ast` wherever they stand (a function-level import is an edge too), so that the modules layer
 cleanly."""
 import ast

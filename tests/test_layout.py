@@ -1,4 +1,4 @@
-"""The shape issue 11 gave the code: grpo_train.py within its figures (tools/script_figures.py), helper
+"""The shape of the code: grpo_train.py within its figures (tools/script_figures.py), helper
 modules imported by the trainer alone, and ref_server.py a file that runs on its own."""
 import os
 import subprocess

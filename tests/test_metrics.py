@@ -1,4 +1,4 @@
-"""metrics.py: the "no learning signal" warning (issue 23) and the step line."""
+"""metrics.py: the "no learning signal" warning and the step line."""
 from metrics import MetricsLog, NoSignalWatch
 
 
@@ -36,7 +36,7 @@ def test_no_signal_names_what_the_batches_show():
 
 
 def test_step_lines_start_at_column_zero_and_carry_the_warning(tmp_path, capsys):
-    log = MetricsLog(str(tmp_path), 0, tensorboard=False, eval_only=False)
+    log = MetricsLog(0, out_dir=str(tmp_path), steps=100)
     for i in range(1, 4):
         log.write({"step": i, **step(truncated=1.0), "loss": 0.0, "kl": 0.0, "entropy": 2.5,
                    **({"eval/accuracy": 0.25, "eval/step": 0} if i == 1 else {})})
@@ -44,3 +44,11 @@ def test_step_lines_start_at_column_zero_and_carry_the_warning(tmp_path, capsys)
     assert [line.split("|")[0] for line in lines[:3]] == ["step    1 ", "step    2 ", "step    3 "]
     assert "entropy 2.500" in lines[0] and "eval 0.250 (step 0)" in lines[0]
     assert len(lines) == 4 and lines[3].startswith("no learning signal:")
+
+
+def test_no_signal_shows_two_completions_and_names_the_chat_template():
+    rows = [{"prompt": "<|im_start|>user\n6*7?<|im_end|>\n", "completion": "I think 41", "reward": 0.0}] * 4
+    watch = NoSignalWatch(3, template=lambda: "my/model's chat template")
+    said = [watch.check(step(demo=0.0), rows) for _ in range(3)][-1]
+    assert "the prompts went through my/model's chat template (--chat-template none: as written)" in said
+    assert said.count("-> 'I think 41' (reward 0.000)") == 2 and "<|im_start|>" in said

@@ -1,4 +1,4 @@
-"""The code reward's jail (sandbox.py, real bubblewrap): right answers score, every escape of issue 14 scores
+"""The code reward's jail (sandbox.py, real bubblewrap): right answers score, every known escape scores
 0 and leaves no file and no process behind, and nothing of the project, the trainer's environment or the
 machine's files is readable inside. Read-only escapes are also run unjailed (GRPO_UNJAILED=1), where they must
 work: that proves each one is a real attack the jail stops, not code that fails for some other reason."""
@@ -232,7 +232,7 @@ def test_ordinary_code_is_not_blocked():
 # --------------------------------------------------------- escapes that read: they work unjailed, not jailed
 
 PATCH_REALPATH = "import posixpath\nposixpath.realpath = lambda p, *a, **k: '/tmp/sandbox/' + str(p)\n"
-# the cheat of issue 14: no implementation at all; it finds the project (the parent's working folder, or where
+# a cheat: no implementation at all; it finds the project (the parent's working folder, or where
 # a copy of this repository lives) and runs the reference solutions of tasks.py (sandbox.py held them before)
 UNIVERSAL_CHEAT = PATCH_REALPATH + f"""
 import ast, glob, os
@@ -467,7 +467,7 @@ def test_without_bwrap_the_code_reward_refuses_to_start(monkeypatch, tmp_path, c
     assert rewards.code_reward(answer(CORRECT_ADD), ADD) == 1.0
 
 
-# ------------------------------------------------------------- issue 19: never root, its own clock, types
+# ------------------------------------------------------------- never root, its own clock, types
 
 NOBODY = 65534   # the jail's user and group (sandbox.JAIL_ID)
 

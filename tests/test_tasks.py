@@ -57,7 +57,7 @@ def test_gsm8k_bad_data_is_a_clear_error(tmp_path):
 
 
 def test_any_file_name_is_data_and_the_other_split_is_found_by_its_word(tmp_path):
-    """A file whose name has neither "train" nor "test" is the train split alone (issue 23: it was refused);
+    """A file whose name has neither "train" nor "test" is the train split alone (never refused);
     one with either word finds the other split by swapping the word, a word alone ("contest" is no test)."""
     rows = lambda tag: [{"prompt": f"{tag} {i}", "answer": str(i)} for i in range(3)]
     load = lambda path, split: tasks.load_task("custom", split, data=str(path), tokenizer=TOK)
@@ -111,7 +111,7 @@ def test_a_tokenizer_without_chat_template_gets_plain_text(tmp_path):
 
 def test_real_gsm8k_files():
     if not os.path.isdir(GSM8K):
-        pytest.skip("no ../shared/data/gsm8k (a fresh clone has none)")
+        pytest.skip("the GSM8K files are not on this machine")
     train = tasks.load_task("gsm8k", "train", data=GSM8K, tokenizer=TOK)
     test = tasks.load_task("gsm8k", "test", data=GSM8K, tokenizer=TOK)
     assert (len(train), len(test)) == (7473, 1319)
@@ -292,7 +292,7 @@ def test_data_mistakes_stop_the_run_with_one_line(tmp_path, capsys):
 
 
 def test_prompts_too_long_through_the_chat_template_say_why(tmp_path, capsys):
-    """Issue 23: a 6-token prompt became longer than --max-prompt-len 16 with the chat template, and the run
+    """A 6-token prompt became longer than --max-prompt-len 16 with the chat template, and the run
     stopped without saying why; --chat-template none trains on the prompts as they are."""
     sums = [{"prompt": f"{i}+34=", "answer": str(i + 34)} for i in range(10, 22)]
     write_jsonl(tmp_path / "my.jsonl", sums)
