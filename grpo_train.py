@@ -177,7 +177,8 @@ def rollout(llm, next_prompts, n_prompts, args):
                             use_tqdm=False)
         # score: every completion with every reward, plus the overlong penalty
         jobs = [(decode(c.token_ids), s, c) for s, o in zip(picked, outs) for c in o.outputs]
-        for (text, s, c), (total, parts, n_err) in rewards.score_all(jobs, spec, args.reward_workers):
+        scores = rewards.score_all(jobs, spec, args.reward_workers)
+        for (text, s, c), (total, parts, n_err) in scores:
             parts["overlong"] = rewards.overlong_penalty(
                 len(c.token_ids), args.max_new_tokens, args.overlong_buffer)
             scored.append((total + parts["overlong"], parts, n_err, c, s["prompt"], text))
