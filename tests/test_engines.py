@@ -1,4 +1,4 @@
-"""Several generation engines and several reference servers (issues 20 and 21): how prompts, sequences and
+"""Several generation engines and several reference servers: how prompts, sequences and
 metrics are split and joined, the flags, and the engine's side of a trainer that dies mid-push."""
 import os
 import signal
