@@ -13,7 +13,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from lora import vllm_weights
-from run_setup import stop_with
+from placement import stop_with
 
 
 # flags that may change when a run is resumed: its length, where it writes, and the machinery (devices,

@@ -1,6 +1,7 @@
-"""Where a run's processes go on a machine: the training GPUs, the share of one an engine may take, and the
-reference server rank 0 starts. A leaf module (it imports no other of the project's): run_setup.py checks
-the flags with it, generation.py and weight_transfer.py place and start processes with it."""
+"""Where a run's processes go on a machine: the training GPUs, the share of one an engine may take, the
+reference server rank 0 starts, and which rank speaks for all when a mistake stops them. A leaf module (it
+imports no other of the project's): run_setup.py and checkpoints.py check the flags with it, generation.py
+and weight_transfer.py place and start processes with it."""
 import ctypes
 import os
 import secrets
@@ -8,8 +9,25 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import torch
+
+
+def first_rank():
+    """Rank 0 (or a run without a launcher): the one that speaks for all, before and after the process group
+    is up."""
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def stop_with(message):
+    """A user's mistake: `message` in one line on stderr, exit status 1, no traceback. Every rank finds the
+    same mistake: the first says it; the others wait to be stopped by the launcher (it stops every rank
+    once one fails), so that none ends the run before the first has spoken, and say it only if not."""
+    if not first_rank():
+        time.sleep(30)
+    print(f"grpo_train.py: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
 
 def training_gpus(world):

@@ -12,7 +12,6 @@ import os
 import random
 import signal
 import sys
-import time
 
 import deepspeed
 import torch
@@ -21,7 +20,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora import adapter_targets
-from placement import SHARED_GEN_MEM, reference_device, training_gpus
+from placement import SHARED_GEN_MEM, first_rank, reference_device, stop_with, training_gpus
 from rewards import parse_reward_spec
 from ref_client import server_urls, url_error
 from ref_server import default_dtype, missing_folder
@@ -30,21 +29,6 @@ from tasks import DataError, drop_long_prompts, load_task
 # a split held out of the train data (no test split) is the same rows whatever --seed, so runs compare
 HOLD_OUT_SEED = 1234
 
-
-def first_rank():
-    """Rank 0 (or a run without a launcher): the one that speaks for all, before and after the process group
-    is up."""
-    return int(os.environ.get("RANK", 0)) == 0
-
-
-def stop_with(message):
-    """A user's mistake: `message` in one line on stderr, exit status 1, no traceback. Every rank finds the
-    same mistake: the first says it; the others wait to be stopped by the launcher (it stops every rank
-    once one fails), so that none ends the run before the first has spoken, and say it only if not."""
-    if not first_rank():
-        time.sleep(30)
-    print(f"grpo_train.py: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(1)
 
 # the attention and MLP projections of Qwen2 and Llama
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
