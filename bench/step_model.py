@@ -17,7 +17,7 @@ Figures, and where each comes from:
            default, 30,000, is a CITED public figure for a bigger model, used as a floor: Qwen3.5-9B on one
            H100 80GB HBM3 with vLLM, "Throughput Profile", 29,822 total (prompt + generated) tokens/s
            (GPUStack performance lab, docs.gpustack.ai/latest/performance-lab/qwen3.5-9b/h100), counted here
-           as generated tokens/s. A 1.5B model decodes faster; replace the figure with issue 21's measured
+           as generated tokens/s. A 1.5B model decodes faster; replace the figure with the measured
            one (bench/gpu_check.py's gen tok/s) when a GPU run has it.
   push     3.09 GB of bf16 weights broadcast over NVLink at --push-gb-s: NOT MEASURED (NCCL refuses two ranks
            on one GPU); 100 GB/s is an assumption between pinned-memory copies (52-54 GB/s, measured) and a
@@ -32,8 +32,8 @@ still takes --max-new-tokens decode steps); the reference splits evenly over --r
 The pipeline (--max-staleness 1): the engines sample batch k+1 while the trainer trains on batch k, so a
 step takes the longest of the stages that run side by side. The engines pause for each push, so the
 generation stage is gen + push. Two placements of the reference forward:
-  main today     the trainer asks for it before training: trainer stage = ref + train + push.
-  issue 20       the rollout asks for it and the reference GPU scores batch k while the engines sample
+  previous       the trainer asks for it before training: trainer stage = ref + train + push.
+  this version   the rollout asks for it and the reference GPU scores batch k while the engines sample
                  batch k+1: three stages, gen + push, ref, train + push. (If the generation process waited
                  for the reference before sampling on, its stage would be gen + ref + push.)
 """
@@ -56,7 +56,7 @@ def step_times(engines, gpus, seqs, prompt_len, completion_len, gen_tok_s, train
          "push": WEIGHT_GB / push_gb_s}
     t["main"] = max(t["gen"] + t["push"], t["ref"] + t["train"] + t["push"])
     stages = {"generation": t["gen"] + t["push"], "reference": t["ref"], "training": t["train"] + t["push"]}
-    t["issue20"] = max(stages.values())
+    t["rollout"] = max(stages.values())
     t["critical"] = max(stages, key=stages.get)
     return t
 
@@ -83,13 +83,13 @@ def main():
         t = step_times(engines, a.gpus, a.seqs, a.prompt_len, a.completion_len, a.gen_tok_s, a.train_tok_s,
                        a.ref_tok_s, a.ref_servers, a.push_gb_s, a.padded_fraction)
         rows.append([t["engines"], t["ranks"], f"{t['gen']:.2f}", f"{t['ref']:.2f}", f"{t['train']:.2f}",
-                     f"{t['push']:.3f}", f"{t['main']:.2f}", f"{t['issue20']:.2f}", t["critical"]])
+                     f"{t['push']:.3f}", f"{t['main']:.2f}", f"{t['rollout']:.2f}", t["critical"]])
     print(f"model, not measurement: {a.seqs} x ({a.prompt_len} + {a.completion_len}) tokens per step, "
           f"{a.gpus} GPUs, {a.ref_servers} reference server(s), "
           f"{a.gen_tok_s:,.0f} gen tok/s per engine (cited)")
     print_table(["engines", "training ranks", "gen s", "ref s", "train s", "push s",
-                 "step s, ref on trainer's path (main)", "step s, ref in the rollout (issue 20)",
-                 "critical path (issue 20)"], rows)
+                 "step s, ref on trainer's path (previous version)", "step s, ref in the rollout (this version)",
+                 "critical path (this version)"], rows)
 
 
 if __name__ == "__main__":
