@@ -108,25 +108,27 @@ def _auth(token):
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def _fits(limits, n_seqs, n_tokens):
-    # a body is 4 bytes per token id, 8 per sequence (its two lengths) and a header well under
-    # 1 KiB; a server older than the limits in /health gets the batch whole
+def _fits(limits, n_seqs, width, n_tokens):
+    # max_tokens: padded, the server's one forward pass; a body is 4 bytes per token id, 8 per
+    # sequence (its two lengths) and a header well under 1 KiB
     return (n_seqs <= limits.get("max_seqs", math.inf)
-            and n_tokens <= limits.get("max_tokens", math.inf)
+            and n_seqs * width <= limits.get("max_tokens", math.inf)
             and 4 * n_tokens + 8 * n_seqs + 1024 <= limits.get("max_body", math.inf))
 
 
-def split_to_fit(prompts, completions, limits) -> list[range]:
-    """Consecutive index ranges, each a request within the server's limits (/health). A sequence
-    that alone exceeds them gets a range of its own, and the server's 413 says why."""
-    ranges, start, tokens = [], 0, 0
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        n = len(p) + len(c)
-        if i > start and not _fits(limits, i - start + 1, tokens + n):
-            ranges.append(range(start, i))
-            start, tokens = i, 0
-        tokens += n
-    return ranges + [range(start, len(prompts))]
+def split_to_fit(prompts, completions, limits) -> list[list[int]]:
+    """Index lists, shortest sequences first (little padding), each a request within the server's
+    limits (/health). A sequence that alone exceeds them goes alone, and the server's 413 says
+    why."""
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    parts, tokens = [[]], 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        # sorted: this sequence is the longest yet, its length the padded width
+        if parts[-1] and not _fits(limits, len(parts[-1]) + 1, lengths[i], tokens + lengths[i]):
+            parts, tokens = parts + [[]], 0
+        parts[-1].append(i)
+        tokens += lengths[i]
+    return parts
 
 
 def even_shares(n, parts) -> list[range]:
@@ -176,19 +178,20 @@ def ref_logps(urls, prompts, completions, temperature, *, timeout=60, retry_for=
 
 
 def _server_logps(url, prompts, completions, temperature, token, retry):
-    """One server's share: sent in as many requests as its limits need (read from /health once per
-    URL, and again after a 413 from a server restarted with smaller ones)."""
+    """One server's share: sent in as many requests (forward passes) as its limits need (read from
+    /health once per URL, and again after a 413 from a server restarted with smaller ones)."""
     headers = {"Content-Type": "application/octet-stream", **_auth(token)}
     for attempt in range(2):
         if url not in _limits:
             _limits[url] = _call("GET", url + "/health", **retry).json()
-        out = []
+        out = [None] * len(prompts)
         try:
             for part in split_to_fit(prompts, completions, _limits[url]):
-                ps, cs = prompts[part.start:part.stop], completions[part.start:part.stop]
+                ps, cs = [prompts[i] for i in part], [completions[i] for i in part]
                 r = _call("POST", url + "/logps", encode_request(ps, cs, temperature), headers,
                           **retry)
-                out += decode_response(r.content, [len(c) for c in cs])
+                for i, logps in zip(part, decode_response(r.content, [len(c) for c in cs])):
+                    out[i] = logps
             break
         except RefServerError as e:
             if e.status != 413 or attempt:

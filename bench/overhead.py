@@ -5,7 +5,7 @@ Two runs of the same GRPO from the same model, one after the other:
    evaluations off; its steady-state wall seconds per step (steps --warm-steps to the step before the last);
 2. the pure compute, alone: one process, the same thread setting (1 torch thread), running the same loop
    serially with the project's own functions and nothing between them: vLLM sampling with rewards
-   (grpo_train.rollout), the reference forward (ref_server.compute_logps, as the server runs it), the
+   (grpo_train.rollout), the reference forward (ref_server.compute_logps, in this process), the
    training step (grpo_train.train_step on a one-rank DeepSpeed ZeRO-2 engine), then a weight load into
    the same vLLM engine that is not counted. Each phase is timed on its own.
 

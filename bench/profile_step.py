@@ -68,11 +68,10 @@ GENERATION = [
 ]
 REFERENCE = [
     ("request: decode", ["decode_request"]),
-    ("forward: padding, log-probs", ["forward_logps"]),
-    ("forward: micro-batches", ["compute_logps"]),
+    ("forward: padding, log-probs", ["compute_logps"]),
     ("response: encode", ["encode_response"]),
-    ("request: HTTP parsing, WSGI", ["process_request_thread"]),
-    ("idle: waiting for a connection", ["serve_forever"]),
+    ("request: HTTP, WSGI (waitress's task threads)", ["handler_thread"]),
+    ("idle: waiting for a connection", ["loop"]),
 ]
 # threads whose samples are work on the process's behalf (others, like tqdm's monitor, only sleep)
 FEEDER = ("queue feeder thread: pickling, pipe write", ["Queue._feed", "send_bytes"])
@@ -94,7 +93,7 @@ def profile(raw_path, rows, threads):
                 counts[classify(stack, rows)] += int(n)
             elif "QueueFeederThread" in thread and "feeder" in threads and all(f in stack for f in FEEDER[1]):
                 counts[FEEDER[0]] += int(n)
-            elif "process_request_thread" in stack and "handler" in threads:
+            elif "handler_thread" in stack and "handler" in threads:
                 counts[classify(stack, rows)] += int(n)
     return counts
 
@@ -179,7 +178,7 @@ def main(argv=None):
                                 ("generation", GENERATION, ("MainThread", "feeder")),
                                 ("reference", REFERENCE, ("handler", "MainThread"))):
         counts = profile(os.path.join(out, f"{name}.raw"), rows, threads)
-        if name == "reference":   # its main thread only waits; each request runs in a thread of its own
+        if name == "reference":   # its main thread reads sockets; waitress's task threads run the requests
             wall = counts.pop("idle: waiting for a connection")
             counts["idle: waiting for a connection"] = wall - sum(counts.values())
         else:                     # the main thread's samples are the wall time; the feeder's run beside it

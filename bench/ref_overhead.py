@@ -23,7 +23,6 @@ import tempfile
 
 from _common import BIG, ROOT, demo_model, machine, print_table, random_model, timed
 from demo.run_demo import free_port
-from ref_server import MICRO_BATCH
 
 TOKEN = "bench"
 
@@ -33,8 +32,7 @@ def start_server(server, path, a, log):
     from ref_client import RefServerError, wait_for_server
     url = f"http://127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, server, "--model", path, "--port", url.rsplit(":", 1)[1],
-                             "--threads", str(a.threads), "--micro-batch", str(a.micro_batch),
-                             "--checkpoint-dir", os.path.dirname(path)],
+                             "--threads", str(a.threads), "--checkpoint-dir", os.path.dirname(path)],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
     for _ in range(240):
@@ -58,16 +56,14 @@ def main():
     p.add_argument("--seqs", type=int, default=64, help="sequences per request")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--completion-len", type=int, default=12)
-    p.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
-                   help="sequences per forward, both sides (server default)")
     p.add_argument("--threads", type=int, default=1, help="torch threads, both sides (the demo's server runs 1)")
     p.add_argument("--reps", type=int, default=20, help="timed calls per side (median)")
     a = p.parse_args()
     import torch
     torch.set_num_threads(a.threads)
     from ref_client import ref_logps, reload_reference
-    from ref_client import decode_response, encode_request
-    from ref_server import compute_logps, decode_request, encode_response, load_model
+    from ref_client import decode_response, encode_request, split_to_fit
+    from ref_server import compute_logps, decode_request, encode_response, load_model, parse_args
     shapes = {"big": BIG, "long": dict(hidden=128, layers=2, heads=4, max_len=8192)}
     servers = {"ref_server over loopback": "ref_server.py", "baseline over loopback": a.baseline}
     servers = {name: file for name, file in servers.items() if file}
@@ -80,7 +76,17 @@ def main():
             rng, V = random.Random(0), model.config.vocab_size
             prompts = [[rng.randrange(V) for _ in range(a.prompt_len)] for _ in range(a.seqs)]
             completions = [[rng.randrange(V) for _ in range(a.completion_len)] for _ in range(a.seqs)]
-            local = lambda: compute_logps(model, prompts, completions, 1.0, a.micro_batch)
+            # the forward passes the server runs: the client's requests, at the server's default limits
+            limits = vars(parse_args(["--model", path]))
+            parts = split_to_fit(prompts, completions, limits)
+
+            def local():
+                out = [None] * a.seqs
+                for part in parts:
+                    got = compute_logps(model, [prompts[i] for i in part], [completions[i] for i in part], 1.0)
+                    for i, logps in zip(part, got):
+                        out[i] = logps
+                return out
             remote = {url: lambda url=url: ref_logps(url, prompts, completions, 1.0, retry_for=0, token=TOKEN)
                       for url in urls}
             for _ in range(2):
@@ -108,14 +114,14 @@ def main():
     lens = [len(c) for c in completions]
     wire = {"encode request (client)": timed(lambda: encode_request(prompts, completions, 1.0), 50)[0],
             "decode request (server)": timed(lambda: decode_request(req, vocab_size=V, max_seqs=1024,
-                                                                    max_tokens=262144), 50)[0],
+                                                                    max_tokens=10**9), 50)[0],
             "encode answer (server)": timed(lambda: encode_response(want), 50)[0],
             "decode answer (client)": timed(lambda: decode_response(ans, lens), 50)[0]}
     med = lambda xs: sorted(xs)[len(xs) // 2]
     loc = med(t_local)
     n_par = sum(p.numel() for p in model.parameters())
     print(f"\n{machine()}; model {a.model or a.size} ({n_par / 1e6:.2f}M parameters); {a.seqs} sequences x "
-          f"({a.prompt_len} prompt + {a.completion_len} completion) tokens, micro-batch {a.micro_batch}, "
+          f"({a.prompt_len} prompt + {a.completion_len} completion) tokens, {len(parts)} forward pass(es), "
           f"{a.threads} torch thread(s) each side; request {len(req)} B, answer {len(ans)} B; median of {a.reps}")
     rows = [["in-process compute_logps", f"{1000 * loc:.1f}", "1.00x"]]
     rows += [[f"  of which {k}", f"{1000 * v:.2f}", f"{v / loc:.3f}x"] for k, v in wire.items()]

@@ -121,14 +121,15 @@ def check_decode(body):
     try:
         prompts, completions, temperature = decode_request(body, **LIMITS)
     except WireError as e:
-        assert e.status in (400, 413) and "\n" not in str(e)
-        event(f"{e.status} {str(e)[:70]}")  # what got refused: pytest --hypothesis-show-statistics
+        assert e.status_code in (400, 413) and "\n" not in str(e)
+        event(f"{e.status_code} {str(e)[:70]}")  # what got refused: pytest --hypothesis-show-statistics
         return None
     event("accepted")
     tensors, _ = read_body(body)
     assert sum(t.numel() * t.element_size() for t in tensors.values()) <= len(body)
     n_tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions))
-    assert 4 * n_tokens <= len(body) and n_tokens <= LIMITS["max_tokens"]
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    assert 4 * n_tokens <= len(body) and (len(prompts) == 1 or len(prompts) * width <= LIMITS["max_tokens"])
     assert 1 <= len(prompts) == len(completions) <= LIMITS["max_seqs"]
     assert all(p and c and 0 <= min(p + c) and max(p + c) < V for p, c in zip(prompts, completions))
     assert 0 < temperature < float("inf")
@@ -183,13 +184,12 @@ def live_app():
     import threading
 
     from demo.tiny_model import build_model, build_tokenizer
-    from ref_server import make_app, serve
+    from ref_server import make_app, parse_args, serve
     servers = []
-    for token in ("t", None):
-        app = make_app(build_model(build_tokenizer(), seed=0).eval(), name="tiny", max_seqs=16, max_tokens=2000,
-                       max_body=2**20, token=token, checkpoint_dir=token and "/nonexistent")
-        servers.append(serve(app, host="127.0.0.1", port=0, token=token, max_connections=32, max_body=2**20,
-                             header_timeout=10, body_timeout=60))
+    for flags in (["--token", "t", "--checkpoint-dir", "/nonexistent"], ["--token", ""]):
+        args = parse_args(["--model", "tiny", "--port", "0", "--max-seqs", "16", "--max-tokens", "2000",
+                           "--max-body-mb", "1", "--max-connections", "32", *flags])
+        servers.append(serve(make_app(build_model(build_tokenizer(), seed=0).eval(), args), args))
         threading.Thread(target=servers[-1].run, daemon=True).start()
     yield [f"http://127.0.0.1:{s.effective_port}" for s in servers]
     for s in servers:

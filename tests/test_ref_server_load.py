@@ -89,10 +89,10 @@ def peak_rss_mb(pid, send):
 
 def test_peak_memory_stays_flat_as_the_request_grows(tmp_path):
     """A forward's memory grows with rows x width^2 where rows are padded (the attention mask): on the old
-    server two sequences of 4,096 and 4,095 tokens cost 130 MB more than one, eight 540 MB. With a token budget
-    per forward (--max-forward-tokens) a long sequence goes alone, unpadded and without a mask, so the peak of
-    any request is that of one sequence at the model's context length (the longest it accepts), whatever the
-    number and lengths of its sequences."""
+    server two sequences of 4,096 and 4,095 tokens cost 130 MB more than one, eight 540 MB. A request is one
+    forward pass of at most --max-tokens padded tokens, or one longer sequence, unpadded and without a mask (the
+    client splits a batch so), so the peak of any batch is that of one sequence at the model's context length
+    (the longest the server accepts), whatever the number and lengths of its sequences."""
     from demo.tiny_model import build_model, build_tokenizer, save
     tok = build_tokenizer()
     model = build_model(tok)
@@ -102,7 +102,7 @@ def test_peak_memory_stays_flat_as_the_request_grows(tmp_path):
     # heap kept, uncounted by a peak reset to the current size: 1 run in 3 compared the requests unevenly.
     # A fixed threshold maps and unmaps every big tensor, and each peak is the request's own.
     env = {**env_without_token(), "MALLOC_MMAP_THRESHOLD_": str(2**16)}
-    proc, url, log = spawn_server(path, tmp_path / "log.txt", "--max-forward-tokens", "1024", env=env)
+    proc, url, log = spawn_server(path, tmp_path / "log.txt", "--max-tokens", "1024", env=env)
     try:
         wait_up(proc, url, log)
 
