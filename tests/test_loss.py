@@ -516,9 +516,9 @@ def test_micro_batches_group_similar_lengths_so_less_is_padded(world):
 
 def test_fp32_lm_head_on_a_bf16_model(tiny_model):
     """--fp32-lm-head on a bf16 model: the trainer's lm_head (run_setup.head_in_fp32) and the reference
-    server's (load_model) multiply the bf16 hidden states and weight in fp32. Their log-probs are the same
-    numbers, equal to a float64 product of the same bf16 tensors up to fp32 rounding, where the bf16 head's
-    are off by bf16 rounding; the gradient still reaches the bf16 weight."""
+    server's (load_model) multiply the bf16 hidden states and weight in fp32. Each one's log-probs equal a
+    float64 product of its own bf16 tensors up to fp32 rounding, where a bf16 head's are off by bf16 rounding;
+    the two agree to bf16 rounding; the gradient still reaches the bf16 weight."""
     import ref_server
     from run_setup import head_in_fp32
     prompts, completions = [[10, 11, 12], [20]], [[30, 31, 0], [50, 51, 52, 53, 54]]
@@ -533,8 +533,18 @@ def test_fp32_lm_head_on_a_bf16_model(tiny_model):
     logps = completion_logps(model, ids, attn, T)
     keep = cmask.bool()
     assert (logps.detach() - exact)[keep].abs().max() < 1e-5 < (plain - exact)[keep].abs().max()
+    # the server pads whole sequences on the right, so its hidden states differ from the trainer's by bf16
+    # rounding: its own float64 product is the reference for its head
     served = ref_server.load_model(tiny_model, "cpu", "bfloat16", fp32_lm_head=True)
-    got = ref_server.forward_logps(served, prompts, completions, 1.0)
-    assert torch.equal(got[keep], logps.detach()[keep])
+    got = ref_server.compute_logps(served, prompts, completions, 1.0)
+    served_plain = ref_server.compute_logps(ref_server.load_model(tiny_model, "cpu", "bfloat16"), prompts,
+                                            completions, 1.0)
+    served_head = served.get_output_embeddings()
+    served_head.forward = lambda h: torch.nn.functional.linear(h.double(), served_head.weight.double())
+    served_exact = ref_server.compute_logps(served, prompts, completions, 1.0)
+    for row, c in enumerate(completions):
+        assert (got[row] - served_exact[row]).abs().max() < 1e-5
+        assert (got[row] - logps.detach()[row, :len(c)]).abs().max() < 2e-3
+    assert max((p - e).abs().max() for p, e in zip(served_plain, served_exact)) > 1e-5
     logps[keep].sum().backward()
     assert head.weight.grad.dtype == torch.bfloat16 and head.weight.grad.abs().sum() > 0
