@@ -366,6 +366,8 @@ def test_writing_outside_the_working_folder_changes_nothing(tmp_path):
     assert not target.exists() and victim.read_text() == "keep me" and os.listdir(tmp_path) == ["victim.txt"]
 
 
+# ids hold no pid (the "kill the test process" code names this one): every process that collects the
+# tests, as pytest-xdist's workers do, must see the same ids
 @pytest.mark.parametrize("name,code", [
     ("gc-based hook patching then os.system", GC_HOOK_PATCH),
     ("setsid'd background shell that writes a file 20 s later", BACKGROUND_SHELL),
@@ -390,7 +392,7 @@ def test_writing_outside_the_working_folder_changes_nothing(tmp_path):
     ("always equal", "class Yes:\n    __eq__ = __bool__ = lambda *a: True\ndef add(a, b):\n    return Yes()"),
     ("patched builtins",
      "import builtins, json\nbuiltins.exec = builtins.eval = json.dumps = lambda *a, **k: 'true'"),
-])
+], ids=lambda v: v.split(chr(10))[0] if "os.kill(" in v else None)
 def test_hostile_completions_score_zero_and_leave_nothing(name, code, tmp_path):
     marker = tmp_path / f"pwned-{secrets.token_hex(4)}"   # a name no other process on the machine mentions
     before = descendants()   # (other tests' servers may be running: only new ones count)

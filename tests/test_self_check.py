@@ -91,7 +91,7 @@ def test_a_reference_that_computes_another_model_is_said_at_step_1(tmp_path, dem
     server = subprocess.Popen([sys.executable, "ref_server.py", "--model", str(other), "--port", str(port)],
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        cmd = [DEEPSPEED, "--num_gpus", "1", "--master_port", "29611", "grpo_train.py", "--model", demo_model,
+        cmd = [DEEPSPEED, "--num_gpus", "1", "--master_port", "29621", "grpo_train.py", "--model", demo_model,
                "--out-dir", str(tmp_path / "run"), "--steps", "1", "--task", "demo", "--rewards", "demo",
                "--prompts-per-step", "8", "--group-size", "8", "--max-new-tokens", "12",
                "--max-prompt-len", "16", "--eval-size", "20", "--ref-url", f"http://127.0.0.1:{port}"]
