@@ -131,6 +131,17 @@ def split_to_fit(prompts, completions, limits) -> list[list[int]]:
     return parts
 
 
+def in_requests(prompts, completions, limits, answer) -> list:
+    """answer(prompts, completions) -> one result per sequence, called on each request split_to_fit
+    cuts -> the results, back in input order."""
+    out = [None] * len(prompts)
+    for part in split_to_fit(prompts, completions, limits):
+        results = answer([prompts[i] for i in part], [completions[i] for i in part])
+        for i, result in zip(part, results, strict=True):
+            out[i] = result
+    return out
+
+
 def even_shares(n, parts) -> list[range]:
     """range(n) cut into `parts` consecutive ranges whose sizes differ by at most one, the first
     ones the larger: a batch's sequences split across servers (and prompts across engines)."""
@@ -181,17 +192,15 @@ def _server_logps(url, prompts, completions, temperature, token, retry):
     """One server's share: sent in as many requests (forward passes) as its limits need (read from
     /health once per URL, and again after a 413 from a server restarted with smaller ones)."""
     headers = {"Content-Type": "application/octet-stream", **_auth(token)}
+
+    def answer(ps, cs):
+        r = _call("POST", url + "/logps", encode_request(ps, cs, temperature), headers, **retry)
+        return decode_response(r.content, [len(c) for c in cs])
     for attempt in range(2):
         if url not in _limits:
             _limits[url] = _call("GET", url + "/health", **retry).json()
-        out = [None] * len(prompts)
         try:
-            for part in split_to_fit(prompts, completions, _limits[url]):
-                ps, cs = [prompts[i] for i in part], [completions[i] for i in part]
-                r = _call("POST", url + "/logps", encode_request(ps, cs, temperature), headers,
-                          **retry)
-                for i, logps in zip(part, decode_response(r.content, [len(c) for c in cs])):
-                    out[i] = logps
+            out = in_requests(prompts, completions, _limits[url], answer)
             break
         except RefServerError as e:
             if e.status != 413 or attempt:

@@ -62,7 +62,7 @@ def main():
     import torch
     torch.set_num_threads(a.threads)
     from ref_client import ref_logps, reload_reference
-    from ref_client import decode_response, encode_request, split_to_fit
+    from ref_client import decode_response, encode_request, in_requests, split_to_fit
     from ref_server import compute_logps, decode_request, encode_response, load_model, parse_args
     shapes = {"big": BIG, "long": dict(hidden=128, layers=2, heads=4, max_len=8192)}
     servers = {"ref_server over loopback": "ref_server.py", "baseline over loopback": a.baseline}
@@ -79,14 +79,8 @@ def main():
             # the forward passes the server runs: the client's requests, at the server's default limits
             limits = vars(parse_args(["--model", path]))
             parts = split_to_fit(prompts, completions, limits)
-
-            def local():
-                out = [None] * a.seqs
-                for part in parts:
-                    got = compute_logps(model, [prompts[i] for i in part], [completions[i] for i in part], 1.0)
-                    for i, logps in zip(part, got):
-                        out[i] = logps
-                return out
+            local = lambda: in_requests(prompts, completions, limits,
+                                        lambda ps, cs: compute_logps(model, ps, cs, 1.0))
             remote = {url: lambda url=url: ref_logps(url, prompts, completions, 1.0, retry_for=0, token=TOKEN)
                       for url in urls}
             for _ in range(2):
