@@ -93,7 +93,7 @@ def generate(a, path, ours=False):
 
 
 def train(a, path):
-    from demo.run_demo import free_port   # a single-process "launch" of world size 1
+    from placement import free_port   # a single-process "launch" of world size 1
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))
     import deepspeed

@@ -38,8 +38,8 @@ import tempfile
 import time
 
 from _common import ROOT, random_model, stop_at_random_lengths
-from demo.run_demo import free_port
 from gpu_bench import CONFIGS, VOCAB
+from placement import free_port
 
 # The GPU recipe's shape (docs/gpu.md); --tiny: small enough for a CPU, with every stage still run.
 RECIPE = dict(steps=20, prompts_per_step=32, group_size=8, max_new_tokens=512, max_prompt_len=512,

@@ -24,8 +24,8 @@ import tempfile
 import time
 
 from _common import ROOT, machine, print_table, random_config, random_model, timed
-from demo.run_demo import free_port
 from gpu_bench import CONFIGS, VOCAB
+from placement import free_port
 
 
 def shapes(config):

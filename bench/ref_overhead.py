@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 from _common import BIG, ROOT, demo_model, machine, print_table, random_model, timed
-from demo.run_demo import free_port
+from placement import free_port
 
 TOKEN = "bench"
 

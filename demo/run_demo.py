@@ -12,12 +12,13 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import torch
+
+from placement import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,12 +26,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_FLAGS = ["--task", "demo", "--rewards", "demo", "--lr", "3e-4", "--beta", "0.04",
                "--prompts-per-step", "16", "--group-size", "8", "--max-new-tokens", "12",
                "--max-prompt-len", "16", "--temperature", "1.0", "--micro-batch", "64", "--eval-size", "200"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None):

@@ -35,7 +35,9 @@ def test_every_bench_has_help(script):
 
 def test_gpu_check_tiny_mode_runs_on_cpu(tmp_path):
     """The GPU check end to end on CPU: gpu_bench.py's tiny mode (real vLLM, real DeepSpeed), then 3 GRPO
-    steps with ref_server.py and the deepspeed launcher, whose metrics the check reads."""
+    steps with ref_server.py and the deepspeed launcher, whose metrics the check reads. Its task is countdown:
+    the run is also countdown's end-to-end test (chat-template prompts, its reward and the format reward, the
+    held-out evaluation; a random model scores about 0, so this proves the plumbing, not learning)."""
     out = run("bench/gpu_check.py", "--tiny", "--out-dir", str(tmp_path))
     (row,) = table_rows(out)
     model, params, body, gen_tok_s, ours_tok_s, ours_pct, train_tok_s, tflops, mfu, gen_peak, train_peak = row
@@ -52,6 +54,8 @@ def test_gpu_check_tiny_mode_runs_on_cpu(tmp_path):
     assert re.search(r"gpu_check OK: 3 steps; sync/logp_diff max \S+ \(tol 0\.1\)", out)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(r["grad_norm"] > 0 for r in rows)   # the length-dependent reward gave some group a signal
+    assert all("reward/countdown" in r and "reward/format" in r and r["reward/errors"] == 0 for r in rows)
+    assert rows[-1]["eval/step"] == 3 and 0 <= rows[-1]["eval/accuracy"] <= 1
 
 
 def test_train_flops_counts_the_lm_head_on_completion_tokens_only():

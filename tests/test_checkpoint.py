@@ -10,6 +10,8 @@ import sys
 import torch
 from safetensors.torch import load_file
 
+from conftest import next_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
@@ -57,25 +59,24 @@ save_file({k: v.clone() for k, v in engine.module.state_dict().items()}, os.path
 """
 
 
-def run(phase, model, out, port, lora_rank=0):
+def run(phase, model, out, lora_rank=0):
     env = {**os.environ, "PYTHONPATH": ROOT}
-    p = subprocess.run([sys.executable, "-c", SCRIPT, model, str(out), phase, str(port), str(lora_rank)], cwd=ROOT,
-                       env=env,
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-c", SCRIPT, model, str(out), phase, str(next_port()), str(lora_rank)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return load_file(os.path.join(out, phase + ".safetensors")), p.stdout
 
 
 def test_resume_restores_model_and_optimizer_exactly(tmp_path, tiny_model):
-    first, _ = run("first", tiny_model, tmp_path, 29650)
+    first, _ = run("first", tiny_model, tmp_path)
     assert (tmp_path / "latest").read_text() == "step_2"   # not the half-written step_3.tmp
     assert (tmp_path / "step_2" / "model.safetensors").exists() and (tmp_path / "step_2" / "tokenizer.json").exists()
-    resumed, out = run("resumed", tiny_model, tmp_path, 29651)
+    resumed, out = run("resumed", tiny_model, tmp_path)
     assert "resuming after step 2" in out
     for k in first:
         torch.testing.assert_close(resumed[k], first[k], rtol=0, atol=0)   # the same third step, bit for bit
     # the same weights with a fresh Adam take another step: the test would see a lost optimizer state
-    fresh, _ = run("weights-only", str(tmp_path / "step_2"), tmp_path, 29652)
+    fresh, _ = run("weights-only", str(tmp_path / "step_2"), tmp_path)
     assert max((fresh[k] - first[k]).abs().max().item() for k in first) > 1e-4
     assert (tmp_path / "latest").read_text() == "step_3" and not (tmp_path / "step_3.tmp").exists()
 
@@ -88,7 +89,7 @@ def test_lora_resume_is_exact_and_keeps_the_adapters_and_their_optimizer_alone(t
     do not."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    first, out = run("first", tiny_model, tmp_path, 29653, lora_rank=4)
+    first, out = run("first", tiny_model, tmp_path, lora_rank=4)
     moments, trainable, total = (int(w) for w in re.search(r"^moments (\d+) (\d+) (\d+)$", out, re.M).groups())
     assert moments == trainable and 0 < trainable < total / 10, out
     ckpt = tmp_path / "step_2"
@@ -96,11 +97,11 @@ def test_lora_resume_is_exact_and_keeps_the_adapters_and_their_optimizer_alone(t
     # DeepSpeed's files: the adapters and 3 fp32 copies of them (master, 2 moments), not the base model
     ds_bytes = sum(f.stat().st_size for f in ckpt.glob("*.pt"))
     assert ds_bytes < 4 * 4 * trainable + 2**20 < 4 * total, ds_bytes
-    resumed, out = run("resumed", tiny_model, tmp_path, 29654, lora_rank=4)
+    resumed, out = run("resumed", tiny_model, tmp_path, lora_rank=4)
     assert "resuming after step 2" in out
     for k in first:
         torch.testing.assert_close(resumed[k], first[k], rtol=0, atol=0)
-    fresh, _ = run("weights-only", tiny_model, tmp_path, 29655, lora_rank=4)
+    fresh, _ = run("weights-only", tiny_model, tmp_path, lora_rank=4)
     assert max((fresh[k] - first[k]).abs().max().item() for k in first) > 1e-4
     # the saved adapters on the base model (peft's own loader) are the policy after step 2, not the base model
     policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(ckpt / "adapter"))

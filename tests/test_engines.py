@@ -10,6 +10,7 @@ import psutil
 import pytest
 import torch
 
+from conftest import next_port
 from generation import GenerationProcess, engine_positions, merge_batches, shares_of_blocks
 from ref_client import even_shares, server_urls
 from tasks import shuffled_forever
@@ -159,7 +160,7 @@ def test_two_reference_servers_each_score_their_share(tmp_path, tiny_model, demo
     log-probs and the second half with the second's, in order; each request went to its own server."""
     from ref_client import ref_logps, wait_for_server
     from ref_server import compute_logps, load_model
-    ports, procs = (29871, 29872), []
+    ports, procs = (next_port(), next_port()), []
     try:
         for model, port in zip((tiny_model, demo_model), ports):
             log = open(tmp_path / f"server{port}.log", "w")

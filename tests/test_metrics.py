@@ -1,5 +1,8 @@
-"""metrics.py: the "no learning signal" warning and the step line."""
-from metrics import MetricsLog, NoSignalWatch
+"""metrics.py: the "no learning signal" warning, the step line and step 1's self-check."""
+from metrics import FIRST_STEP_GAP, FIRST_STEP_KL, MetricsLog, NoSignalWatch, first_step_check
+
+# the self-check's line, as first_step_check begins it
+WARNING = "self-check at step 1 failed:"
 
 
 def step(frac_zero_std=1.0, truncated=0.0, **rewards):
@@ -52,3 +55,16 @@ def test_no_signal_shows_two_completions_and_names_the_chat_template():
     said = [watch.check(step(demo=0.0), rows) for _ in range(3)][-1]
     assert "the prompts went through my/model's chat template (--chat-template none: as written)" in said
     assert said.count("-> 'I think 41' (reward 0.000)") == 2 and "<|im_start|>" in said
+
+
+def test_first_step_check_names_the_causes_of_what_is_off():
+    """One line; the reference's causes when the KL is off, vLLM's when the gap is, both when both are."""
+    ok = {"kl": 1e-9, "sampling/logp_diff_mean": 1e-6}
+    assert first_step_check(ok) is None
+    assert first_step_check({"kl": FIRST_STEP_KL, "sampling/logp_diff_mean": FIRST_STEP_GAP}) is None
+    kl = first_step_check({**ok, "kl": 0.2})
+    assert kl.startswith(WARNING) and "another checkpoint" in kl and "top-p" not in kl and "\n" not in kl
+    gap = first_step_check({**ok, "sampling/logp_diff_mean": 0.5})
+    assert "another checkpoint" not in gap and "dtype" in gap and "chat template" in gap and "top-p" in gap
+    both = first_step_check({"kl": 0.2, "sampling/logp_diff_mean": 0.5})
+    assert "another checkpoint" in both and "top-p" in both and "\n" not in both

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save as st_save, save_file
 
 import ref_client
 import ref_server
-from demo.run_demo import free_port
+from conftest import next_port
 from ref_client import (RefServerError, decode_response, encode_request, ref_logps, reload_reference, split_to_fit,
                         wait_for_server)
 from ref_server import (MAX_HEAD, WireError, compute_logps, decode_request, encode_response, exposure_error, make_app,
@@ -142,8 +142,8 @@ def env_without_token():
 
 
 def spawn_server(model_path, log_path, *args, env=None, port=None):
-    """Start ref_server.py on `port` (default: a free loopback port), not waiting for it -> (proc, url, log)."""
-    port = port or free_port()
+    """Start ref_server.py on `port` (default: conftest.next_port's), not waiting for it -> (proc, url, log)."""
+    port = port or next_port()
     log = open(log_path, "w")
     cmd = [sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", model_path, "--port", str(port),
            "--threads", "1", *args]
@@ -171,7 +171,7 @@ def wait_up(proc, url, log, timeout=120):
         try:
             if requests.get(url + "/health", timeout=2).status_code == 200:
                 return url
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):   # not up yet, or slow on a busy machine
             time.sleep(0.2)
 
 
@@ -285,7 +285,7 @@ def test_exposure_error(host, token, insecure, refused):
 def test_refuses_network_host_without_token(server_proc):  # server_proc: runs while the server boots
     # exits before loading the model or binding the port: a missing model would fail with a traceback
     r = subprocess.run([sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", "/nonexistent",
-                        "--host", "0.0.0.0", "--port", str(free_port())],
+                        "--host", "0.0.0.0", "--port", str(next_port())],
                        capture_output=True, text=True, timeout=60, env=env_without_token())
     assert r.returncode == 2 and "--host 0.0.0.0 is reachable from other machines" in r.stderr, r.stderr
     assert "--insecure" in r.stderr and "Traceback" not in r.stderr
@@ -296,7 +296,7 @@ def test_a_model_folder_that_is_not_there_is_one_line(tmp_path, model):
     """A path (two slashes, or . / ~ first) that names no folder: the flag's error, not transformers'
     traceback from taking it for a hub id."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", model,
-                        "--port", str(free_port())],
+                        "--port", str(next_port())],
                        capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env_without_token())
     assert r.returncode == 2 and r.stderr.splitlines()[-1].endswith(f"--model {model}: no such folder")
     assert "Traceback" not in r.stderr
@@ -398,7 +398,7 @@ def test_client_errors(server, capsys):
     with pytest.raises(RefServerError, match="401.*token"):
         ref_logps(server, [[1]], [[2]], 1.0, retry_for=60, backoff=10)  # token=None: no Authorization header
     capsys.readouterr()
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{next_port()}"
     # the limits come first (/health), and nothing answers: retried after 0.05, 0.1, ... s while that fits in
     # 0.3 s, each retry said on stderr (how many fit depends on the machine's speed: counted, not assumed)
     with pytest.raises(RefServerError, match=f"{dead}/health failed after .* attempts in 0.3s") as e:
@@ -1001,13 +1001,14 @@ def test_the_trainer_says_what_it_waits_for_and_what_to_do(tmp_path, tiny_model)
     runs = {}
     try:
         wait_up(server, other_url, server_log_file)
-        for port, (name, flags) in enumerate(cases.items(), 29740):
+        for name, flags in cases.items():
             os.makedirs(tmp_path / name)
             log = open(tmp_path / name / "run.log", "w")
             runs[name] = subprocess.Popen(
-                [deepspeed, "--num_gpus", "1", "--master_port", str(port), "grpo_train.py", "--model", tiny_model,
-                 "--out-dir", str(tmp_path / name), "--beta", "0.04", "--prompts-per-step", "4", "--group-size",
-                 "4", "--max-new-tokens", "8", "--max-prompt-len", "16", "--eval-size", "8", *flags],
+                [deepspeed, "--num_gpus", "1", "--master_port", str(next_port()), "grpo_train.py", "--model",
+                 tiny_model, "--out-dir", str(tmp_path / name), "--beta", "0.04", "--prompts-per-step", "4",
+                 "--group-size", "4", "--max-new-tokens", "8", "--max-prompt-len", "16", "--eval-size", "8",
+                 *flags],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         out = {}
         for name, proc in runs.items():
