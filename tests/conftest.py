@@ -4,12 +4,13 @@ import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# `make test` runs the tests two at a time (pytest-xdist): each worker is a process of its own, "gw0", "gw1", ...
+# `make test` runs the tests several at a time (pytest-xdist): each worker is a process of its own, "gw0", "gw1", ...
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
 _PORTS = itertools.count(21000 + 1000 * int(WORKER.removeprefix("gw")))
 
@@ -20,6 +21,14 @@ def next_port():
     and up), where bind(0) never lands. So a port handed out now and bound seconds later (deepspeed's
     --master_port, ref_server.py's --port) is still free then, with any number of tests running beside it."""
     return next(_PORTS)
+
+
+def running(process):
+    """Whether a psutil.Process still runs: not ended, and not a zombie waiting for its parent to reap it."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:   # it ended between the two questions
+        return False
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +56,4 @@ def demo_model(tmp_path_factory):
                            check=True, capture_output=True, timeout=600)
             os.rename(building, out)
     return str(out)
+

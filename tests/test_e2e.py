@@ -35,31 +35,43 @@ def run_demo(out_dir, *args, timeout=600):
         return p, [json.loads(line) for line in f]
 
 
-def test_short_run_finishes_logs_checkpoints_and_learns(tmp_path, demo_model):
-    """20 steps on 2 training ranks (world size 1 runs in the parity, variant and fault tests). No
-    generated batch is thrown away, every batch is one optimizer step behind (but the first), only the
-    newest --keep-checkpoints survive, and a CPU run's engine names no GPU device (--gen-device 3 is
-    ignored by the CPU build)."""
+def test_short_run_on_two_ranks_two_engines_and_two_reference_servers(tmp_path, demo_model):
+    """One launch for the multi-process pieces, 20 steps: 2 training ranks (world size 1 runs in the parity,
+    variant and fault tests), two vLLM engines (--gen-devices 0,1) in one weight group, two reference servers
+    with the batch split across them, and --ref-sync-every 5 on-policy (--max-staleness 0; the variants test
+    runs a push behind, the default). Both engines load every push (each checks the probe and raises if it
+    fails), no generated batch is thrown away, the demo learns to >= 80% held-out, only the newest
+    --keep-checkpoints survive, and a CPU run's engines name no GPU device. The reference rule holds: step s
+    is scored by the checkpoint of the last multiple of 5 <= s - 1, so the KL right after each reload (both
+    servers' log-probs from the very weights being trained) is zero."""
     steps = 20
     p, rows = run_demo(tmp_path, "--model", demo_model, "--steps", str(steps), "--eval-every", "10",
-                            "--world-size", "2", "--", "--save-every", "5", "--keep-checkpoints", "2",
-                            "--gen-device", "3")
+                       "--world-size", "2", "--ref-servers", "2", "--", "--gen-devices", "0,1",
+                       "--ref-sync-every", "5", "--max-staleness", "0", "--save-every", "5",
+                       "--keep-checkpoints", "2")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))   # one line per optimizer step
     for r in rows:
         assert all(k in r for k in REQUIRED), sorted(set(REQUIRED) - set(r))
-        assert r["sync/logp_diff"] < 1e-3   # every push landed in vLLM
+        assert r["gen/engines"] == 2 and r["gen/samples"] == 16 * 8
+        assert r["sync/logp_diff"] < 1e-3   # every push landed in both engines
         assert r["stale_dropped"] == 0 and r["data/prompts_seen"] == 16 * r["step"]
-        assert r["policy_lag"] == (0 if r["step"] == 1 else 1)
-        if r["policy_lag"] == 0:   # sampled by these very weights: the ratio is 1, nothing clips
-            assert r["clip/low"] == r["clip/high"] == 0 and r["ratio/max"] == pytest.approx(1, abs=1e-4)
+        # sampled by these very weights: the ratio is 1, nothing clips
+        assert r["policy_lag"] == 0 and r["clip/low"] == r["clip/high"] == 0
+        assert r["ratio/max"] == pytest.approx(1, abs=1e-4)
         assert r["skipped_steps"] == 0 and r["data/too_long"] == 0 and r["batch/groups"] <= 16
         assert r["entropy"] > 0 or r["batch/groups"] == 0   # over the tokens in the loss, when there are any
+        assert r["time/gen_min_s"] <= r["time/gen_s"] and r["time/ref_s"] > 0
+        assert r["ref/step"] == 5 * ((r["step"] - 1) // 5), r
+    kl = {r["step"]: r["kl"] for r in rows}
+    assert all(kl[s] < 1e-7 for s in (6, 11, 16)), kl
+    assert all(kl[s] > 1e-5 for s in (5, 10, 15)), kl
     evals = [(r["eval/step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     # greedy decoding of the 90 held-out problems: the warm-started model answers exactly the 29 without a carry
-    assert evals[0] == (0, pytest.approx(29 / 90)) and evals[-1][0] == steps
+    assert evals[0] == (0, pytest.approx(29 / 90)) and evals[-1][0] == steps and evals[-1][1] >= 0.8, evals
     reward = [r["reward/mean"] for r in rows]
     assert sum(reward[-10:]) / 10 > sum(reward[:10]) / 10 + 0.05, reward   # the reward goes up
     assert "held-out accuracy:" in p.stdout.splitlines()[-1]
+    # --keep-checkpoints 2: the newest two; the reference's (step 15) is one of them
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_15", "step_20"]
     assert "CUDA_VISIBLE_DEVICES" not in p.stdout
     # the console: one line per step, at column 0 (no progress bar before it); no false "Failed to load
@@ -201,32 +213,6 @@ def test_variants_ppo_epochs_tis_overlong_truncation_dynamic_sampling(tmp_path, 
     assert all(r["batch/groups"] == 16 for r in rows), [(r["batch/groups"], r["gen/rounds"]) for r in rows]
     assert max(r["gen/rounds"] for r in rows) > 1 and all(r["data/prompts_seen"] % 8 == 0 for r in rows)
     assert all(r["gen/engines"] == 2 and r["stale_dropped"] == 0 for r in rows)
-
-
-def test_two_engines_two_reference_servers_and_reference_refresh(tmp_path, demo_model):
-    """One launch for the multi-process pieces: two vLLM engines (--gen-devices 0,1; 0 is the training rank's own
-    device, the one-GPU mode's code path) in one weight group, two reference servers with the batch split
-    across them, and --ref-sync-every 5 on-policy (--max-staleness 0): both engines load every push (each
-    checks the probe and raises if it fails), the demo still learns to >= 80% held-out, nothing is dropped,
-    and the reference rule holds: step s is scored by the checkpoint of the last multiple of 5 <= s - 1, so
-    the KL right after each reload (both servers' log-probs from the very weights being trained) is zero."""
-    steps = 20
-    p, rows = run_demo(tmp_path, "--model", demo_model, "--steps", str(steps), "--eval-every", "0",
-                       "--ref-servers", "2", "--", "--gen-devices", "0,1", "--ref-sync-every", "5",
-                       "--max-staleness", "0")
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    for r in rows:
-        assert r["gen/engines"] == 2 and r["gen/samples"] == 16 * 8 and r["sync/logp_diff"] < 1e-3
-        assert r["stale_dropped"] == 0 and r["policy_lag"] == 0 and r["data/prompts_seen"] == 16 * r["step"]
-        assert r["time/gen_min_s"] <= r["time/gen_s"] and r["time/ref_s"] > 0
-        assert r["ref/step"] == 5 * ((r["step"] - 1) // 5), r
-    kl = {r["step"]: r["kl"] for r in rows}
-    assert all(kl[s] < 1e-7 for s in (6, 11, 16)), kl
-    assert all(kl[s] > 1e-5 for s in (5, 10, 15)), kl
-    evals = [(r["eval/step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
-    assert evals[0][0] == 0 and evals[-1][0] == steps and evals[-1][1] >= 0.8, evals
-    # --keep-checkpoints 2: the newest two; the reference's (step 15) is one of them
-    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_15", "step_20"]
 
 
 # ----------------------------------------------------------------------------- the real tasks, on the tiny model

@@ -10,7 +10,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import next_port
+from conftest import next_port, running
 from generation import GenerationProcess, engine_positions, merge_batches, shares_of_blocks
 from ref_client import even_shares, server_urls
 from tasks import shuffled_forever
@@ -238,7 +238,7 @@ def test_a_trainer_killed_mid_push_leaves_no_engine_behind(tmp_path):
         alive = family
         while alive and time.time() < deadline:
             time.sleep(0.2)
-            alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            alive = [p for p in family if running(p)]
         assert not alive, [(p.pid, " ".join(p.cmdline())[:100]) for p in alive]
     finally:
         if trainer.poll() is None:

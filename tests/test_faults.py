@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import next_port
+from conftest import next_port, running
 from test_metrics import WARNING
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +50,20 @@ def finish(proc, timeout=300):
         return proc.returncode, f.read()
 
 
+def command_of(p):
+    """A process's command line; "" once it has ended (a zombie's cannot be read)."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def engine_of(launcher):
+    """The vLLM generation process under the launcher (a spawned grandchild of rank 0), or None."""
+    return next((p for p in launcher.children(recursive=True) if "spawn_main" in command_of(p)
+                 and "resource_tracker" not in command_of(p)), None)
+
+
 def test_killed_generation_process_stops_the_run_quickly_with_no_orphans(tmp_path, tiny_model):
     proc = launch(tmp_path, tiny_model, "--beta", "0", "--steps", "100000", "--lr", "1e-6")
     launcher = psutil.Process(proc.pid)
@@ -59,8 +73,7 @@ def test_killed_generation_process_stops_the_run_quickly_with_no_orphans(tmp_pat
         assert proc.poll() is None, open(proc.log).read()[-3000:]
         metrics = tmp_path / "metrics.jsonl"
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            gen = next(p for p in launcher.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())
-                       and "resource_tracker" not in " ".join(p.cmdline()))
+            gen = engine_of(launcher)
     assert gen is not None, "the run never logged two steps"
     family = launcher.children(recursive=True)
     t0 = time.time()
@@ -69,7 +82,7 @@ def test_killed_generation_process_stops_the_run_quickly_with_no_orphans(tmp_pat
     assert rc != 0 and "the generation process died (exit code -9)" in out
     assert time.time() - t0 < 60   # noticed within seconds, not waited on forever
     time.sleep(2)
-    assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in family if running(p)]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))   # what was logged is intact
 
@@ -191,11 +204,11 @@ def family_of(pid):
 def assert_all_gone(family, timeout=90):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in family if running(p)]
         if not alive:
             return
         time.sleep(1)
-    raise AssertionError(f"still running: {[(p.pid, ' '.join(p.cmdline())[:100]) for p in alive]}")
+    raise AssertionError(f"still running: {[(p.pid, command_of(p)[:100]) for p in alive]}")
 
 
 def test_sigterm_to_the_deepspeed_launcher_stops_every_process(tmp_path, tiny_model):
@@ -223,13 +236,13 @@ def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, 
     RUNS.append(proc)
     wait_for_step(proc, tmp_path, 1)
     family = family_of(proc.pid)
-    assert any("ref_server.py" in " ".join(p.cmdline()) for p in family) and len(family) >= 6
+    assert any("ref_server.py" in command_of(p) for p in family) and len(family) >= 6
     if how == "SIGTERM":
         proc.send_signal(signal.SIGTERM)
     elif how == "Ctrl-C":
         os.killpg(proc.pid, signal.SIGINT)
     else:
-        next(p for p in family if "ref_server.py" in " ".join(p.cmdline())).kill()
+        next(p for p in family if "ref_server.py" in command_of(p)).kill()
     assert_all_gone(family)
     assert proc.wait() != 0
     if how == "ref server dies":
@@ -456,8 +469,7 @@ def _start_and_find(tmp_path, tiny_model):
         assert proc.poll() is None, open(proc.log).read()[-3000:]
         assert time.time() < deadline, "the engine never started"
         time.sleep(0.2)
-        engine = next((p for p in launcher.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())
-                       and "resource_tracker" not in " ".join(p.cmdline())), None)
+        engine = engine_of(launcher)
     metrics = tmp_path / "metrics.jsonl"
     assert not (metrics.exists() and metrics.read_text())   # no step yet
     return proc, engine.parent(), engine
@@ -477,7 +489,7 @@ def test_a_trainer_killed_before_its_first_push_leaves_no_engine(tmp_path, tiny_
     proc, rank0, engine = _start_and_find(tmp_path, tiny_model)
     rank0.send_signal(signal.SIGKILL)
     t0 = time.time()
-    while engine.is_running() and engine.status() != psutil.STATUS_ZOMBIE:
+    while running(engine):
         assert time.time() - t0 < 60, "the engine outlived its trainer by a minute"
         time.sleep(0.2)
     finish(proc, timeout=120)
