@@ -133,13 +133,14 @@ def start_ref_server(model, port, log_path):
     return proc
 
 
-def probe_logp(model_dir, flags):
-    """The mean log-prob of the weight-sync probe (the first 64 tokens of the first training prompt) under
-    the HF model in model_dir: what the engine reports as sync/probe_logp once it holds those weights."""
+def probe_logp(model_dir):
+    """The mean log-prob of the weight-sync probe (the first 64 tokens of the first training prompt of the
+    demo task) under the HF model in model_dir: what the engine reports as sync/probe_logp once it holds those
+    weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from grpo_train import completion_logps, get_args
     from run_setup import load_prompts
-    args = get_args(["--model", model_dir, *flags])
+    args = get_args(["--model", model_dir, "--task", "demo"])
     ids = load_prompts(AutoTokenizer.from_pretrained(model_dir), **vars(args))[0][0]["prompt_ids"][:64]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
@@ -270,12 +271,12 @@ def test_resume_after_sigkill_continues_the_run_and_samples_from_the_checkpoint(
     assert WARNING not in open(proc.log).read()
     rows = rows_of(tmp_path)
     assert rows[0]["kl"] < 1e-9 and rows[0]["sampling/logp_diff_mean"] < 1e-4 and rows[0]["policy_lag"] == 0
-    start = probe_logp(demo_model, ["--task", "demo"])
+    start = probe_logp(demo_model)
     assert rows[0]["sync/probe_logp"] == pytest.approx(start, abs=1e-4)
     latest = (tmp_path / "latest").read_text()
     k = int(latest.removeprefix("step_"))
     assert 4 <= k < 20 and k % 2 == 0
-    trained = probe_logp(str(tmp_path / latest), ["--task", "demo"])
+    trained = probe_logp(str(tmp_path / latest))
     # the steps moved the probe well past the comparison's tolerance: it tells the two weights apart
     assert abs(trained - start) > 10 * 1e-4
     rc, out = finish(launch(tmp_path, demo_model, *flags, "--resume"))
