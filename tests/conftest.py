@@ -1,4 +1,5 @@
 import fcntl
+import glob
 import itertools
 import os
 import subprocess
@@ -31,6 +32,11 @@ def running(process):
         return False
 
 
+def no_allreduce_buffer_left(port):
+    """DeepSpeed's CPU allreduce buffers (one per rank in /dev/shm, named after the launch's port) are gone."""
+    return not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A randomly initialised tiny Qwen2 model + char tokenizer in HF format (built locally, no download)."""
@@ -56,4 +62,3 @@ def demo_model(tmp_path_factory):
                            check=True, capture_output=True, timeout=600)
             os.rename(building, out)
     return str(out)
-

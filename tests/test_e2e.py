@@ -1,6 +1,5 @@
 """End to end: the real scripts through the real deepspeed launcher on CPU (vLLM child, ref server on
 loopback, DeepSpeed ZeRO-2 with gloo), at world size 1 and 2, on the warm-started demo model."""
-import glob
 import json
 import os
 import re
@@ -11,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import next_port
+from conftest import next_port, no_allreduce_buffer_left
 from metrics import FIRST_STEP_KL
 from test_metrics import WARNING
 
@@ -103,11 +102,6 @@ def step_result(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         (row,) = map(json.loads, f)
     return row, load_file(os.path.join(out_dir, "step_1", "model.safetensors"))
-
-
-def no_allreduce_buffer_left(port):
-    """DeepSpeed's CPU allreduce buffers (one per rank in /dev/shm, named after the launch's port) are gone."""
-    return not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
 
 
 def train_one_step(out_dir, model, micro_batch, *extra):

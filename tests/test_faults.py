@@ -1,5 +1,4 @@
 """Faults during a run, through the real deepspeed launcher: each is noticed, named, and ends the run cleanly."""
-import glob
 import json
 import os
 import re
@@ -12,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import next_port, running
+from conftest import next_port, no_allreduce_buffer_left, running
 from test_metrics import WARNING
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,8 +59,8 @@ def command_of(p):
 
 def engine_of(launcher):
     """The vLLM generation process under the launcher (a spawned grandchild of rank 0), or None."""
-    return next((p for p in launcher.children(recursive=True) if "spawn_main" in command_of(p)
-                 and "resource_tracker" not in command_of(p)), None)
+    commands = ((p, command_of(p)) for p in launcher.children(recursive=True))
+    return next((p for p, cmd in commands if "spawn_main" in cmd and "resource_tracker" not in cmd), None)
 
 
 def test_killed_generation_process_stops_the_run_quickly_with_no_orphans(tmp_path, tiny_model):
@@ -267,7 +266,7 @@ def test_resume_after_sigkill_continues_the_run_and_samples_from_the_checkpoint(
     os.killpg(proc.pid, signal.SIGKILL)   # the whole process group: a job killed without warning
     proc.wait()
     # DeepSpeed's CPU allreduce buffer in /dev/shm (66 MB) was unlinked once every rank had mapped it
-    assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+    assert no_allreduce_buffer_left(port)
     assert WARNING not in open(proc.log).read()
     rows = rows_of(tmp_path)
     assert rows[0]["kl"] < 1e-9 and rows[0]["sampling/logp_diff_mean"] < 1e-4 and rows[0]["policy_lag"] == 0
