@@ -128,7 +128,7 @@ def read_records(path: str) -> list[tuple[str, dict]]:
                 if "\\ud" in line.lower() and (half := re.search(
                         r"[\ud800-\udfff]", json.dumps(out[-1][1], ensure_ascii=False))):
                     raise DataError(f"{path}:{i}: holds a lone surrogate ({ascii(half[0])}, half of a "
-                                    f"UTF-16 pair), which is no text") from None
+                                    f"UTF-16 pair), which is no text")
     return out
 
 
