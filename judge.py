@@ -218,9 +218,14 @@ def split_test(test: str) -> tuple[ast.expr, list[str]]:
         return bool(free_names(node) - {*CALLS, "math"})
 
     def jail(node):
-        for n in ast.walk(node):
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in MODULES:
-                refuse(f"{n.value.id}.{n.attr} is a module's, and the module would be the completion's")
+        # what the part is rooted at (`np` of `np.allclose(f(x), y)`): a module would be the completion's.
+        # Its arguments (f's inputs) are the completion's to choose anyway
+        root = node
+        while isinstance(root, (ast.Call, ast.Attribute, ast.Subscript)):
+            root = root.func if isinstance(root, ast.Call) else root.value
+        if isinstance(root, ast.Name) and root.id in MODULES and root is not node:
+            refuse(f"{ast.unparse(node).split('(')[0]} is a module's, and the module would be the "
+                   f"completion's")
         node.jail = len(parts)
         parts.append(ast.unparse(node))
 

@@ -53,6 +53,8 @@ def test_a_builtin_given_the_completions_function_is_the_jails_whole():
     assert parts("assert isinstance(f(), Point)") == ["isinstance(f(), Point)"]
     assert parts("assert isinstance(f(), (list, tuple))") == ["f()"]
     assert parts("assert Solution().f(g(2)) == 3") == ["Solution().f(g(2))"]
+    # a module in the completion's inputs: they are the completion's to choose anyway
+    assert parts("assert f(math.pi, os.sep) == 1") == ["f(math.pi, os.sep)"]
 
 
 @pytest.mark.parametrize("test,why", [
