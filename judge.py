@@ -13,7 +13,6 @@ import math
 import operator
 import re
 import sys
-from functools import partial
 
 # the most bytes of values read from one completion: what the jail may write (sandbox.read_output)
 OUTPUT_CAP = 1 << 20
@@ -21,8 +20,8 @@ OUTPUT_CAP = 1 << 20
 # this deep, and this many distinct values sharing one hash (more make a set or dict quadratic)
 MAX_NODES, MAX_DEPTH, MAX_COLLISIONS = 50_000, 64, 8
 # the trainer's own results: integers of at most INT_BITS bits (CPython multiplies big integers in
-# Karatsuba time: a 1 MiB power cost 0.5 s), ranges of at most RANGE_ITEMS items
-INT_BITS, RANGE_ITEMS = 1 << 16, 1 << 18
+# Karatsuba time: a 1 MiB power cost 0.5 s), ranges of at most RANGE_ITEMS items (a set of them: 10 MiB)
+INT_BITS, RANGE_ITEMS = 1 << 16, 1 << 16
 # what tests call that the trainer computes, by name; see CALLS for the bounded ones
 BUILTINS = ("abs", "all", "any", "bool", "chr", "dict", "divmod", "enumerate", "filter", "float",
             "frozenset", "int", "isinstance", "len", "list", "map", "max", "min", "ord", "pow", "range",
@@ -160,7 +159,7 @@ def bounded_lcm(*ints):
 CALLS = {**{name: getattr(builtins, name) for name in BUILTINS},
          "set": lambda items=(): hashed(set, items), "frozenset": lambda items=(): hashed(frozenset, items),
          "dict": dict_of, "sum": numeric_sum, "range": bounded_range, "pow": bounded_pow,
-         "round": bounded_round}
+         "round": bounded_round, "type": lambda value: type(value)}
 MATH_CALLS = {**{name: getattr(math, name) for name in MATH},
               "factorial": lambda n: small_int(n) or math.factorial(n),
               "comb": lambda n, k: small_int(n, k) or math.comb(n, k), "prod": bounded_prod,
@@ -314,10 +313,11 @@ def function_args(node: ast.Call) -> list[ast.expr]:
 
 
 def is_function(node: ast.expr) -> bool:
-    """Whether a function argument is one the trainer may call: a builtin's name, None, or a
-    trusted_attribute."""
-    return (isinstance(node, ast.Name) and node.id in CALLS or isinstance(node, ast.Constant)
-            and node.value is None or isinstance(node, ast.Attribute) and trusted_attribute(node) is not None)
+    """Whether a function argument is one the trainer may call: a builtin's name (not map, sorted...:
+    given a builtin as a value, `[range]`, they would call it unbounded), None, or a trusted_attribute."""
+    return (isinstance(node, ast.Name) and node.id in CALLS and node.id not in FUNCTION_ARGS
+            or isinstance(node, ast.Constant) and node.value is None
+            or isinstance(node, ast.Attribute) and trusted_attribute(node) is not None)
 
 
 def callable_of(node: ast.expr):

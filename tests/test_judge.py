@@ -65,6 +65,8 @@ def test_a_builtin_given_the_completions_function_is_the_jails_whole():
     ("assert f() == '{}'.format(3)", ".format() is not a method the trainer calls"),
     ("assert f() == [x * 2 for x in range(3)]", "ListComp outside a call into the completion"),
     ("assert all(map(lambda x: x > 0, f()))", "as the function of map()"),
+    # a builtin given as a value ([range]) would be called raw, unbounded, by the map given to this map
+    ("assert f() == list(map(map, [range], [[10]]))", "map as the function of map()"),
     ("assert f() == f'{3}'", "JoinedStr outside a call into the completion"),
     ("assert f() == {**g()}", "Dict outside a call into the completion"),
     ("assert f() == max(*g())", "*args or **kwargs"),
