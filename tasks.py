@@ -310,7 +310,7 @@ def hub_records(data: str, split: str) -> list[tuple[str, dict]] | None:
     """(where, record) of `split` of hub dataset `data` (None for a test split it lacks; needs the internet
     once, cached by datasets afterwards). The hub is asked first, within HUB_TIMEOUT, whether it has that
     dataset: a name it does not know, or a hub it cannot reach, is one DataError, where datasets would retry
-    for 26 s and end in a ConnectionError. With HF_HUB_OFFLINE=1, datasets' cache alone answers."""
+    for 35 s and end in a ConnectionError. With HF_HUB_OFFLINE=1, datasets' cache alone answers."""
     import datasets
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
