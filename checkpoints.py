@@ -4,6 +4,7 @@ complete one. With LoRA, step_N also holds step_N/adapter (peft's format: load i
 peft.PeftModel.from_pretrained), DeepSpeed's files hold the adapters alone, and the model's place holds the
 merged model, so that a step folder loads, serves and evaluates as any model does (--eval-only --model
 step_N). grpo_train.py uses it; read that first."""
+import fcntl
 import json
 import os
 import re
@@ -25,6 +26,45 @@ FREE_ON_RESUME = {
     "save_every", "keep_checkpoints", "tensorboard", "log_completions"}
 # flags no resume can change: the checkpoint's weights are these
 FIXED_ON_RESUME = ("model", "lora_rank", "lora_targets")
+
+
+# the --out-dir locks this process holds, by (device, inode) of the folder: held until it exits
+_held = {}
+
+
+def hold_out_dir(out_dir):
+    """Rank 0: an exclusive lock on --out-dir for the run's life (flock on the folder itself, so that a
+    symlink to it is the same folder; the kernel drops it when the process ends, killed or not): a second
+    run on the folder stops in one line before it touches anything, where it would write over this one's
+    metrics and checkpoints."""
+    os.makedirs(out_dir, exist_ok=True)
+    fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    folder = os.fstat(fd)
+    if (folder.st_dev, folder.st_ino) in _held:
+        return os.close(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        stop_with(f"--out-dir {out_dir} is in use by another run{lock_holder(folder)}: wait for it to "
+                  f"end, or pass another --out-dir")
+    _held[folder.st_dev, folder.st_ino] = fd
+
+
+def lock_holder(folder):
+    """" (pid N)": the process holding a flock on `folder` (an os.stat), read from /proc/locks."""
+    inode = f"{os.major(folder.st_dev):02x}:{os.minor(folder.st_dev):02x}:{folder.st_ino}"
+    with open("/proc/locks") as f:
+        pids = [line.split()[4] for line in f if "FLOCK" in line and line.split()[5] == inode]
+    return f" (pid {pids[0]})" if pids else ""
+
+
+def remove(path):
+    """A checkpoint's folder or file, gone; a symlink in its place is removed, never followed."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        os.remove(path)
+    else:
+        shutil.rmtree(path)
 
 
 def fresh_state(config=None):
@@ -53,8 +93,7 @@ def clear_run(out_dir):
     """--overwrite: the checkpoints and `latest` of the run out_dir held (metrics.jsonl is rewritten)."""
     for name in os.listdir(out_dir):
         if name == "latest" or re.fullmatch(r"step_\d+(\.tmp)?", name):
-            path = os.path.join(out_dir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            remove(os.path.join(out_dir, name))
 
 
 def read_state(master, *, out_dir, resume, overwrite=False, resume_with_changes=False, eval_only=False,
@@ -64,6 +103,8 @@ def read_state(master, *, out_dir, resume, overwrite=False, resume_with_changes=
     generation process starts from it while DeepSpeed sets up. An --out-dir that holds another run is
     refused unless --resume or --overwrite; a resume that would change the run is refused unless
     --resume-with-changes, and one with another --model or --lora-rank always: one line each."""
+    if master:
+        hold_out_dir(out_dir)
     config = {k: v for k, v in flags.items() if k not in FREE_ON_RESUME}
     state, latest = fresh_state(config), os.path.join(out_dir, "latest")
     found = None if eval_only or not os.path.isdir(out_dir) else holds_run(out_dir)
@@ -81,9 +122,9 @@ def read_state(master, *, out_dir, resume, overwrite=False, resume_with_changes=
             print(f"--resume: no checkpoint in {out_dir}, starting from --model", flush=True)
         return state
     with open(latest) as f:
-        path = os.path.join(out_dir, f.read().strip())
-    with open(os.path.join(path, "grpo_state.json")) as f:
-        state.update(json.load(f))
+        tag = f.read().strip()
+    path = os.path.join(out_dir, tag)
+    state.update(checked_state(path, tag, flags))
     saved, state["config"] = state["config"] or {}, config
     if fixed := [k for k in FIXED_ON_RESUME if k in saved and saved[k] != config.get(k)]:
         was = " ".join(f"--{k.replace('_', '-')} {saved[k]}" for k in fixed)
@@ -97,6 +138,48 @@ def read_state(master, *, out_dir, resume, overwrite=False, resume_with_changes=
     if master:
         print(f"resuming after step {state['step']} from {path}"
               + (f" with {', '.join(changes)}" if changes else ""), flush=True)
+    return state
+
+
+def checked_state(path, tag, flags) -> dict:
+    """grpo_state.json of checkpoint folder `path` (`tag`, as `latest` names it), checked before anything of
+    the run is touched: its step is the folder's, its data position one a run reaches by then, its counts
+    and reference checkpoint are what a run writes; a one-line stop naming what is not, otherwise."""
+    where = os.path.join(path, "grpo_state.json")
+    if not (folder := re.fullmatch(r"step_(\d+)", tag)) or not os.path.isdir(path):
+        stop_with(f"--resume: {os.path.dirname(path)}/latest names {tag!r}, no checkpoint folder step_N "
+                  f"there: write the name of one into it, or start afresh with --overwrite")
+    try:
+        with open(where) as f:
+            state = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        stop_with(f"--resume: {where} cannot be read ({str(e)[:200]}): resume from another checkpoint "
+                  f"(write its name into latest), or start afresh with --overwrite")
+    # what a field missing from the file is in the run's state: a fresh run's
+    state = {**fresh_state(), **state} if isinstance(state, dict) else {}
+    step, counts, ref, positions = (state.get(k) for k in ("step", "counts", "ref", "data_pos"))
+    step = step if type(step) is int else -1
+    counts_ok = isinstance(counts, dict) and all(type(counts.get(k)) is int and counts[k] >= 0
+                                                 for k in fresh_state()["counts"])
+    # each engine's position in the shuffled stream moves --prompts-per-step a draw, up to
+    # --max-gen-rounds draws a batch, and a batch thrown away as stale was drawn too
+    saved = state.get("config") if isinstance(state.get("config"), dict) else {}
+    most = lambda k: max(saved[k] if type(saved.get(k)) is int else 1, flags.get(k) or 1)
+    drawn = most("prompts_per_step") * most("max_gen_rounds") * (step + counts["stale_dropped"]) \
+        if counts_ok else 0
+    positions = positions if isinstance(positions, list) else [positions]
+    ref_step = re.fullmatch(r"step_(\d+)", os.path.basename(ref)) if isinstance(ref, str) else None
+    problems = [why for bad, why in [
+        (step < 1 or step != int(folder[1]), f"its step {state.get('step')!r} is not the folder's ({tag})"),
+        (not counts_ok, f"its counts {counts!r} are not counts of skipped steps and stale batches"),
+        (not positions or any(type(p) is not int or not 0 <= p <= drawn for p in positions),
+         f"its data position {state.get('data_pos')!r} is not one a run reaches by then (0 to {drawn})"),
+        (ref is not None and not (ref_step and int(ref_step[1]) <= step),
+         f"its reference checkpoint {ref!r} is not one of the run's"),
+    ] if bad]
+    if problems:
+        stop_with(f"--resume: {where} does not describe that checkpoint: {'; '.join(problems)}; resume from "
+                  f"another (write its name into latest), or start afresh with --overwrite")
     return state
 
 
@@ -122,8 +205,8 @@ def save_checkpoint(engine, tokenizer, out_dir, state, *, keep, new_reference=Fa
     tmp, final = os.path.join(out_dir, tag + ".tmp"), os.path.abspath(os.path.join(out_dir, tag))
     if new_reference:
         state["ref"] = final
-    if master and os.path.exists(tmp):   # left by a run killed while saving
-        shutil.rmtree(tmp)
+    if master and os.path.lexists(tmp):   # left by a run killed while saving
+        remove(tmp)
     dist.barrier()
     engine.save_checkpoint(out_dir, tag=tag + ".tmp", save_latest=False, exclude_frozen_parameters=True)
     if master:
@@ -137,8 +220,8 @@ def save_checkpoint(engine, tokenizer, out_dir, state, *, keep, new_reference=Fa
             json.dump(state, f)
     dist.barrier()   # every rank's shard is written
     if master:
-        if os.path.exists(final):   # saved before by a run that was then resumed from an earlier step
-            shutil.rmtree(final)
+        if os.path.lexists(final):   # saved before by a run that was then resumed from an earlier step
+            remove(final)
         os.replace(tmp, final)
         with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
             f.write(tag)
@@ -167,4 +250,4 @@ def prune_checkpoints(out_dir, step, keep, ref):
     for n in older[:max(0, len(older) - (keep - 1))]:
         path = os.path.abspath(os.path.join(out_dir, f"step_{n}"))
         if path != ref:
-            shutil.rmtree(path)
+            remove(path)

@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lora import base_model_view, vllm_weights
-from placement import reference_device, start_reference_server, training_gpus
+from placement import reference_device, start_reference_server, tcp_store, training_gpus
 from ref_client import RefServerError, even_shares, reload_reference, server_urls, wait_for_server
 from ref_server import model_fingerprint
 from rewards import format_reward, parse_reward_spec, score
@@ -426,7 +426,7 @@ class GenerationProcess:
         # --fp32-lm-head: vLLM 0.32's own option (ModelConfig.head_dtype), the trainer's run_setup.head_in_fp32
         if fp32_lm_head:
             engine_kw["hf_overrides"] = {"head_dtype": "float32"}
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT)
+        self.store = tcp_store("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT)
         ctx = mp.get_context("spawn")
         positions = engine_positions(state["data_pos"], len(devices))
         eval_shares = even_shares(len(eval_set), len(devices))

@@ -200,7 +200,15 @@ class MetricsLog:
         os.makedirs(out_dir, exist_ok=True)
         if eval_only:
             return
-        path = os.path.join(out_dir, "metrics.jsonl")
+        # metrics.jsonl is rewritten at the first row (open): after the checkpoint has loaded
+        self.resume_step = resume_step
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(out_dir)
+
+    def open(self):
+        """metrics.jsonl, at the first row: on resume, the rows up to the checkpoint kept."""
+        path, resume_step = os.path.join(self.out_dir, "metrics.jsonl"), self.resume_step
         kept = []
         if resume_step and os.path.exists(path):
             with open(path) as f:
@@ -216,11 +224,10 @@ class MetricsLog:
             f.writelines(kept)
         os.replace(path + ".tmp", path)
         self.file = open(path, "a")
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(out_dir)
 
     def write(self, log):
+        if self.file is None:
+            self.open()
         samples = log.pop("samples", [])
         log["time/elapsed_s"] = time.time() - self.t_start
         self.file.write(json.dumps(log) + "\n")

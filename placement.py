@@ -3,6 +3,7 @@ reference server rank 0 starts, and which rank speaks for all when a mistake sto
 imports no other of the project's): run_setup.py and checkpoints.py check the flags with it, generation.py
 and weight_transfer.py place and start processes with it."""
 import ctypes
+import ipaddress
 import os
 import secrets
 import signal
@@ -12,6 +13,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 
 def first_rank():
@@ -46,6 +48,37 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def tcp_store(host, port, world_size=None, *, is_master, **kwargs):
+    """torch's TCPStore at host:port; its master listens on `host` alone. Given none, torch 2.13's server
+    listens on every interface, whatever host it is given (TCPStoreLibUvBackend.cpp, UvTcpServer::makeWithPort:
+    "::", else "0.0.0.0"), so it is handed a socket already listening on `host` (master_listen_fd, as vLLM
+    0.32's StatelessProcessGroup.create does), which it keeps. multi_tenant: a store torch's own rendezvous
+    opens on that port in this process takes this one's server (rendezvous.py, _create_c10d_store)."""
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, **kwargs)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, port), family=family, backlog=socket.SOMAXCONN)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(host, port, world_size, True, master_listen_fd=listener.detach(), **kwargs)
+
+
+def master_store(timeout):
+    """Rank 0's rendezvous server for init_process_group (env://), listening on MASTER_ADDR alone: loopback
+    for the launcher's one-node runs (it sets 127.0.0.1), the address the other nodes reach on several.
+    Held until the process group has taken it over (tcp_store). None on other ranks, and where MASTER_ADDR
+    is a name, or no address of this machine, or its port is taken: torch's own server then listens on
+    every interface (and fails, for a port in use, with its own message)."""
+    addr = os.environ.get("MASTER_ADDR", "")
+    try:
+        ipaddress.ip_address(addr)
+        if os.environ.get("RANK") != "0":
+            return None
+        return tcp_store(addr, int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), is_master=True,
+                         wait_for_workers=False, multi_tenant=True, timeout=timeout)
+    except (ValueError, KeyError, OSError):
+        return None
 
 
 def reference_device(ref_device, gen_devices):

@@ -3,8 +3,7 @@
     python ref_server.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda:0 --port 59875
 
 GET /health, POST /logps (token ids in, log-probs out), POST /reload (a checkpoint under
---checkpoint-dir), and every error: docs/reference-server.md. Imports no project file.
-"""
+--checkpoint-dir), and every error: docs/reference-server.md. Imports no project file."""
 import argparse
 import hashlib
 import hmac
@@ -39,17 +38,14 @@ class WireError(bottle.HTTPError):
     def __init__(self, msg, status=400):
         super().__init__(status, msg)
 
-    def __str__(self):
-        return self.body
+    __str__ = lambda self: self.body
 
-# ----------------------------------------------------------------------------- wire format
 def read_body(body: bytes) -> tuple[dict, dict]:
     """A safetensors buffer -> (tensors, metadata); any failure is the sender's: WireError."""
     try:
         tensors = st_load(body)
         meta = json.loads(body[8:8 + int.from_bytes(body[:8], "little")]).get("__metadata__")
-    # SafetensorError, torch refusing a dtype or shape, json: all mean "bad bytes" (and torch's
-    # C++ errors go on with a backtrace: the first line is kept)
+    # SafetensorError, torch refusing a dtype or shape (its C++ backtrace cut), json: "bad bytes"
     except Exception as e:
         raise WireError(f"not a valid safetensors body: {str(e).partition(chr(10))[0][:200]}")
     return tensors, meta or {}
@@ -97,7 +93,6 @@ def encode_response(logps: list[torch.Tensor]) -> bytes:
     flat = [t.detach().float().flatten().cpu() for t in logps]
     return st_save({"logps": torch.cat(flat).contiguous() if flat else torch.zeros(0)})
 
-# ----------------------------------------------------------------------------- the model
 def missing_folder(model) -> str | None:
     """Why --model cannot be loaded: a path (. / ~ first, or two slashes) naming no folder."""
     path = model.startswith((".", "/", "~")) or model.count("/") > 1
@@ -170,12 +165,12 @@ def compute_logps(model, prompts, completions, temperature, chunk=512) -> list[t
         out.append(logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1))
     return list(torch.cat(out).cpu().split([len(c) for c in completions]))
 
-# ----------------------------------------------------------------------------- /reload's checks
 # config.json fields that do not change what the model computes (docs/reference-server.md: why)
 CONFIG_KEYS_IGNORED = ("transformers_version", "_name_or_path", "architectures", "dtype",
                        "torch_dtype", "use_cache")
 # NONBLOCK: a FIFO never blocks
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 def _open(parent, name, path, fds, flags=0) -> int:
     """`name` opened in folder `parent` (None: absolute), never through a symlink -> `fds`."""
@@ -240,46 +235,49 @@ def check_config(fd, served_config):
         raise WireError("config.json describes another architecture than the served model's: "
                         f"{str(other)[:300]}", 422)
 
-def checked_weights(fd, state) -> safe_open:
-    """model.safetensors on descriptor `fd`, its header checked by safetensors 0.8.0, its names,
-    shapes and float dtypes against the served tensors', before any data is read."""
-    try:
-        # the magic link reopens the very file the descriptor holds, whatever its name is now
-        f = safe_open(f"/proc/self/fd/{fd}", framework="pt")
-    except SafetensorError as e:
-        raise WireError(f"model.safetensors is not a readable safetensors file: {str(e)[:200]}",
-                        422) from e
-    unexpected = sorted(k for k in f.keys() if k not in state)
-    wrong = [f"{k} {s.get_dtype()} {s.get_shape()} (served: {list(state[k].shape)})"
-             for k in f.keys() if k in state for s in [f.get_slice(k)]
-             if s.get_dtype() not in ("F32", "BF16", "F16") or s.get_shape() != [*state[k].shape]]
-    if unexpected or wrong:
+def checked_weights(fd, state) -> dict:
+    """model.safetensors on `fd`, checked, then read 1 GiB a call (never mapped) -> its tensors."""
+    size, head = os.fstat(fd).st_size, os.pread(fd, 8, 0)
+    header = os.pread(fd, min(int.from_bytes(head, "little"), 10**8), 8)
+    # safetensors 0.8.0 checks the header (100 MB at most) on a memfd: it, then a hole for the data
+    with open(os.memfd_create(""), "wb", buffering=0) as copy:
+        copy.write(head + header)
+        copy.truncate(size)
+        try:
+            safe_open(f"/proc/self/fd/{copy.fileno()}", framework="pt")
+        except SafetensorError as e:
+            raise WireError(f"model.safetensors is not a readable safetensors file: "
+                            f"{str(e)[:200]}", 422) from e
+    table = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
+    wrong = [f"{k} {v['dtype']} {v['shape']} (served: {list(state[k].shape)})"
+             for k, v in table.items() if k in state
+             and (v["dtype"] not in DTYPES or v["shape"] != [*state[k].shape])]
+    if (unexpected := sorted(set(table) - set(state))) or wrong:
         raise WireError(f"model.safetensors does not fit the served model: unexpected "
                         f"{unexpected[:5]}, other shapes or float dtypes {wrong[:3]}", 422)
-    return f
+    n, data = 8 + len(header), memoryview(bytearray(size))
+    if sum(os.preadv(fd, [data[i:i + 2**30]], i) for i in range(0, size, 2**30)) < size:
+        raise WireError("model.safetensors changed while it was read", 422)
+    cut = lambda a, b, dtype: torch.frombuffer(data[n + a:n + b], dtype=DTYPES[dtype])
+    return {k: cut(*v["data_offsets"], v["dtype"]).view(v["shape"]) for k, v in table.items()}
 
 def read_checkpoint(path, checkpoint_dir, model) -> tuple[str, dict]:
-    """Folder `path` under `checkpoint_dir` (config.json, one model.safetensors: as grpo_train.py
-    writes it) -> (its absolute path, a complete, finite CPU state dict for `model`). Tied weights:
-    one name is enough; with both, the first in the model's order wins (as transformers 5.19)."""
+    """Folder `path` under `checkpoint_dir` (config.json, one model.safetensors) -> (its abspath, a
+    complete, finite state dict); of tied weights, one is enough: the first wins, as in HF 5.19."""
     state, fds = model.state_dict(), []
     try:
         folder, folder_fd = _open_folder(path, checkpoint_dir, fds)
         check_config(_open_file(folder_fd, "config.json", path, fds, 2**20), model.config)
-        f = checked_weights(_open_file(folder_fd, "model.safetensors", path, fds, 2**62), state)
-        names = set(f.keys())
-        # tied weights share their storage
+        got = checked_weights(_open_file(folder_fd, "model.safetensors", path, fds, 2**62), state)
         groups = {}
-        for key, w in state.items():
-            storage = (w.data_ptr(), tuple(w.shape)) if w.data_ptr() else key
-            groups.setdefault(storage, []).append(key)
-        if missing := [g[0] for g in groups.values() if not names & set(g)]:
+        for k, w in state.items():
+            groups.setdefault((w.data_ptr(), tuple(w.shape)) if w.data_ptr() else k, []).append(k)
+        if missing := [g[0] for g in groups.values() if not got.keys() & set(g)]:
             raise WireError("not a complete checkpoint of the served architecture: missing "
                             f"{missing[:5]}", 422)
         weights = {}
         for group in groups.values():
-            source = next(key for key in group if key in names)
-            data = f.get_tensor(source)
+            data = got[source := next(key for key in group if key in got)]
             if not torch.isfinite(data).all():
                 raise WireError(f"{source} holds values that are not finite (NaN or inf)", 422)
             weights.update(dict.fromkeys(group, data.to(state[group[0]].dtype)))
@@ -288,7 +286,6 @@ def read_checkpoint(path, checkpoint_dir, model) -> tuple[str, dict]:
         for fd in fds:
             os.close(fd)
 
-# ----------------------------------------------------------------------------- the server
 def authorized(header, token) -> bool:
     """header: as WSGI holds it, bytes as latin-1 (bottle's get_header 500s on non-UTF-8)."""
     return not token or hmac.compare_digest(header.encode("latin-1"), f"Bearer {token}".encode())
@@ -363,7 +360,8 @@ def serve(app, args):
     its internals, the token checked at the head and deadlines -> its server (.run())."""
 
     class Parser(HTTPRequestParser):
-        # a request with a body needs the token before a byte of its body is read
+        # a body needs the token, and Content-Length: any Transfer-Encoding is a 411 (waitress reads
+        # chunked, quadratic on a size line that never ends, and answers others 501), before reading
         def received(self, data):
             # the deadlines run from the first byte (waitress makes a parser for it)
             self.started = getattr(self, "started", time.time())
@@ -371,7 +369,9 @@ def serve(app, args):
             if (self.headers_finished and (self.content_length or self.chunked)
                     and not authorized(self.headers.get("AUTHORIZATION", ""), args.token)):
                 self.error = JsonError(401, "Unauthorized", "missing or wrong bearer token")
-                self.completed = True
+            elif self.chunked or getattr(self.error, "code", None) == 501:
+                self.error = JsonError(411, "Length Required", "send Content-Length")
+            self.completed = self.completed or isinstance(self.error, JsonError)
             if self.error and not isinstance(self.error, JsonError):
                 self.error = JsonError(self.error.code, self.error.reason, self.error.body)
             return n

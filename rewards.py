@@ -10,7 +10,8 @@
             with `ast`, never eval'ed) using each of sample["numbers"] exactly once, whose value is
             sample["answer"]
     code    fraction of sample["tests"] that pass after the code in the last <answer>...</answer> has run,
-            in a bubblewrap jail (sandbox.py); nan (counted in reward/errors) when the jail could not run it
+            in a bubblewrap jail (sandbox.py), judged by the trainer (judge.py: check_tests refuses, when the
+            task loads, a test it cannot judge); nan (counted in reward/errors) when the jail could not run it
 
 Pick and weight them with --rewards "gsm8k,format:0.5" (parse_reward_spec) and combine them with score(), or
 score_all() for a batch (the code reward's jails --reward-workers at a time).
@@ -125,6 +126,18 @@ def extract_code(completion: str) -> str | None:
     return code
 
 
+def check_tests(tests) -> None:
+    """A sample's "tests", checked when the task loads: a list of `assert ...` lines, each one the trainer
+    can judge (judge.split_test). ValueError naming the first that is not."""
+    if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+        raise ValueError(f"expected a list of `assert ...` lines, got {str(tests)[:100]}")
+    for test in tests:
+        try:
+            sandbox.split_test(test)
+        except SyntaxError as e:
+            raise ValueError(f"{test!r} is not Python ({e.msg})") from None
+
+
 def code_reward(completion, sample):
     """Fraction of the sample's unit tests that pass (sandbox.run_tests); 0 without an answer or tests."""
     code = extract_code(completion)
@@ -177,10 +190,11 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
 
 def reward_workers(wanted: int) -> int:
     """--reward-workers, bounded by the machine: at most one jail per core this process may use, and one
-    per sandbox.JAIL_MB of the memory available (what a jail may take: its address space and /tmp)."""
+    per sandbox.jail_mb() of the memory available (what a jail may hold: its address space, its /tmp, and
+    the pipes and memfds it may hold outside both)."""
     with open("/proc/meminfo") as f:
         available_kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    by_memory = (available_kb >> 10) // sandbox.JAIL_MB
+    by_memory = (available_kb >> 10) // sandbox.jail_mb()
     return max(1, min(wanted, len(os.sched_getaffinity(0)), by_memory))
 
 

@@ -20,7 +20,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora import adapter_targets
-from placement import SHARED_GEN_MEM, first_rank, reference_device, stop_with, training_gpus
+from placement import SHARED_GEN_MEM, first_rank, master_store, reference_device, stop_with, training_gpus
 from rewards import parse_reward_spec
 from ref_client import server_urls, url_error
 from ref_server import default_dtype, missing_folder
@@ -85,7 +85,7 @@ def add_system_args(p):
                    help="where the reference server rank 0 starts runs: a GPU index or cpu (default: cpu without "
                         "GPUs, else the first vLLM engine's GPU)")
     g.add_argument("--ref-wait", type=float, default=300, help="seconds to wait for the reference server")
-    g.add_argument("--sync-every", type=int, default=1, help="push weights to vLLM every N steps")
+    g.add_argument("--sync-every", type=at_least_one, default=1, help="push weights to vLLM every N steps")
     g.add_argument("--sync-tol", type=float, default=0.1,
                    help="fail if vLLM's probe log-probs differ from the trainer's by more (mean)")
     g.add_argument("--max-staleness", type=int, default=1,
@@ -93,7 +93,7 @@ def add_system_args(p):
     g.add_argument("--max-skips", type=int, default=3, help="stop after this many non-finite steps in a row")
     g.add_argument("--reward-workers", type=at_least_one, default=1,
                    help="code reward: completions jailed at once (bounded by cores and memory)")
-    g.add_argument("--threads", type=int, default=1,
+    g.add_argument("--threads", type=at_least_one, default=1,
                    help="torch threads of each training rank and of the generation process (CPU)")
     g.add_argument("--dist-timeout", type=float, default=60,
                    help="minutes a collective may wait (rank 0 waits for vLLM's start and evaluations)")
@@ -125,7 +125,10 @@ def init_distributed(timeout_minutes, threads):
                   "--num_gpus 1 grpo_train.py --model ... (docs: README.md)")
     if torch.cuda.is_available():   # before any collective
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    # rank 0's rendezvous listens on MASTER_ADDR alone, not on every interface as torch's own would
+    rendezvous = master_store(datetime.timedelta(minutes=timeout_minutes))
     deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
+    del rendezvous
     unlink_shm_buffer()
     # raising on SIGTERM runs exit handlers, which stop the generation process
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

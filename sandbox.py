@@ -1,15 +1,17 @@
-"""Runs a completion's Python against unit tests in a jail: the engine of the code reward
-(rewards.code_reward), the rule-based "reward server" of code-RL pipelines, kept local and small. It imports
-no project module.
+"""Runs a completion's Python in a jail and hands back the values of a test's parts: the engine of the code
+reward (rewards.code_reward), the rule-based "reward server" of code-RL pipelines, kept local and small. Its
+one project module is judge.py, the trainer's side of each test.
 
 The jail is bubblewrap (`bwrap`, Debian's `bubblewrap`, the sandbox Flatpak uses), one per completion: new
 user, PID, network, IPC, UTS and mount namespaces; a root file system holding only /usr and the Python
 installation, read-only; a tmpfs of 16 MiB and 4,096 files as the working folder (/tmp, mounted by the
 trusted prologue: bwrap's --tmpfs bounds no files); its own /proc (its own processes
 only, read-only: /proc/sys is the host's kernel settings) and a minimal, read-only /dev; an empty
-environment; no new user namespaces; and a seccomp filter that refuses every new process (fork, vfork,
-clone without CLONE_THREAD; clone3 answers ENOSYS so that threads fall back to clone), the kernel keyring
-and a few calls only exploits use. The completion runs as "nobody" (JAIL_ID) inside the jail, with no
+environment; no new user namespaces; the completion's interpreter as the jail's pid 1 (no init of bwrap's
+beside it); and a seccomp filter that refuses every new process (fork, vfork, clone without CLONE_THREAD;
+clone3 answers ENOSYS so that threads fall back to clone), acting on another process (ptrace,
+process_vm_*), the kernel keyring and a few calls only exploits use. The completion runs as "nobody"
+(JAIL_ID) inside the jail, with no
 capability; when the trainer is root, as a host uid of its own (host_uid: one per running jail, which no
 account has): a first bwrap of root's own (root_stage) starts the jail's bwrap through setpriv as that
 user, since bwrap started by root keeps the jail root on the host. Where user namespaces are refused
@@ -19,33 +21,27 @@ The project, the trainer's environment and files, other processes and the networ
 A trusted prologue sets resource limits (CPU seconds, address space, file size, open files, tasks, no core
 dumps) before the completion runs; the wall clock is watched from outside, and at `timeout_s` (checked before
 every read) or 1 MiB of output the jail is killed whole (its PID namespace dies with it, and with the trainer:
---die-with-parent). The
-in-process audit hook that was this file's defence is gone: the code it watched could patch it (issue 14), and
-inside the jail there is nothing left for it to guard.
+--die-with-parent). What a jail may hold outside its address space is counted in jail_mb.
 
-The child only computes, the parent judges. Each test `assert E` is parsed in the parent (split_test):
-the jail is sent only the parts of E that call or name the completion's code (`f(x, k=[1])`) and writes
-back their values, as JSON of plain types with each container tagged (a tuple stays a tuple); the parent
-reads them with a bounded parser (read_value: size, depth, hash collisions) and evaluates the rest of E
-itself with trusted builtins (judge): every comparison, sum, and/or/not and `in`. The expected values
-never leave the parent (nor do the reference solutions, which live in tasks.py), and nothing the
-completion does (an object whose __eq__ is always True, patched builtins or reporting helpers, the nonce
-read through sys._getframe and result lines forged with it, sys.exit()) passes a test without producing
-the right values. Result lines carry a random nonce only so that the completion's own prints are not
-taken for results.
+The child only computes, the parent judges (judge.py). Each test `assert E` is parsed in the parent
+(split_test): the jail is sent only the parts of E that name the completion's own definitions (`f(x,
+k=[1])`) and writes back their values, as JSON of plain types with each container tagged (PLAIN); the
+parent reads them with a bounded parser (read_value: size, depth, hash collisions) and evaluates the rest
+of E itself with an allow-list of builtins (judge): every comparison, sum, range, and/or/not and `in`. The
+expected values never leave the parent (nor do the reference solutions, which live in tasks.py), and
+nothing the completion does (an object whose __eq__ is always True, patched or rebound builtins, patched
+reporting helpers, the nonce read through sys._getframe and result lines forged with it, sys.exit())
+passes a test without producing the right values. Result lines carry a random nonce only so that the
+completion's own prints are not taken for results.
 
 GRPO_UNJAILED=1 runs the same child without the jail (`python -I -S`, an empty environment, a temporary
 folder, the same resource limits): no isolation at all, for completions you trust, or inside a container of
 its own.
 """
-import ast
-import builtins
 import contextlib
 import errno
 import grp
 import json
-import math
-import operator
 import os
 import platform
 import pwd
@@ -61,6 +57,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from judge import MAX_NODES, OUTPUT_CAP, judge, read_value, split_test
 
 UNJAILED = "GRPO_UNJAILED"
 NO_BWRAP = ("the code reward runs each completion in a bubblewrap jail and `bwrap` is not installed: "
@@ -80,14 +78,28 @@ USERNS_BLOCKED = ("user namespaces are refused here (Docker's default seccomp pr
                   "inside a container of its own, knowingly (no jail)")
 TMP_MB = 16   # the jail's working folder is memory: bound it (RLIMIT_FSIZE bounds only one file)
 TMP_FILES = 4096   # and its files: each costs the host's kernel memory whatever its size
-OUTPUT_CAP = 1 << 20   # bytes of the jail's output read at most
-JAIL_MB = 512 + TMP_MB   # the most memory one jail may hold: run_tests' mem_mb and its /tmp
+FILE_MB, NOFILE = 1, 64   # RLIMIT_FSIZE (MiB) and RLIMIT_NOFILE in the jail
 
-PROLOGUE = r"""
-import json, os, resource, sys
-def _plain(v):
-    # the value as JSON of plain types, each container tagged with its type (a tuple stays a tuple, {1: 2}
-    # no {"1": 2}), read back by the parent's bounded parser (sandbox.read_value); any other type raises
+
+def jail_mb(mem_mb: int = 512) -> int:
+    """The most memory one jail may hold, in MiB: its address space (run_tests' mem_mb), its /tmp, and
+    what it holds outside both, a memfd, pipe or socket buffer per file: NOFILE open and as many again in
+    flight (passed over a unix socket, then closed: the kernel lets a user have RLIMIT_NOFILE files in
+    flight, and one message more), each at most FILE_MB (RLIMIT_FSIZE bounds a memfd, which mmap cannot
+    grow past its size) or a pipe's most (/proc/sys/fs/pipe-max-size, 1 MiB by default)."""
+    with open("/proc/sys/fs/pipe-max-size") as f:
+        per_file = max(FILE_MB << 20, int(f.read()))
+    return mem_mb + TMP_MB + -(-(2 * NOFILE + 1) * per_file >> 20)
+
+
+# the jail's side of a value: JSON of plain types, each container tagged with its type (a tuple stays a
+# tuple, {1: 2} no {"1": 2}), read back by the trainer's bounded parser (judge.read_value); what Python
+# compares by its items comes with its items: a range as its bounds, a dict view or an iterator (a
+# generator, map, filter, zip...) with at most `most` items (an endless generator has no value). Any other
+# type raises.
+PLAIN = r"""
+import collections.abc, itertools
+def _plain(v, most):
     if v is None or isinstance(v, (int, float, str)):
         return v
     if isinstance(v, complex):
@@ -96,10 +108,22 @@ def _plain(v):
         return ["bytes", bytes.hex(v)]
     for kind in (tuple, list, set, frozenset):
         if isinstance(v, kind):
-            return [kind.__name__, *map(_plain, v)]
+            return [kind.__name__, *(_plain(x, most) for x in v)]
     if isinstance(v, dict):
-        return ["dict", *(_plain(x) for pair in dict.items(v) for x in pair)]
+        return ["dict", *(_plain(x, most) for pair in dict.items(v) for x in pair)]
+    if isinstance(v, range):
+        return ["range", v.start, v.stop, v.step]
+    for kind, tag in ((collections.abc.ItemsView, "dict_items"), (collections.abc.KeysView, "dict_keys"),
+                      (collections.abc.ValuesView, "dict_values"), (collections.abc.Iterator, "iter")):
+        if isinstance(v, kind):
+            items = list(itertools.islice(v, most + 1))
+            if len(items) > most:
+                raise ValueError("more items than one completion's values may hold")
+            return [tag, *(_plain(x, most) for x in items)]
     raise TypeError(type(v).__name__)
+"""
+PROLOGUE = PLAIN + r"""
+import json, os, resource, sys
 def _own_tmp(tmp_mb, tmp_files):
     # a /tmp that bounds files as well as bytes (bwrap's --tmpfs takes no nr_inodes): a mount namespace of
     # the jail's own user, with CAP_SYS_ADMIN and CAP_SETPCAP, which bwrap left for this alone; then every
@@ -116,10 +140,9 @@ def _own_tmp(tmp_mb, tmp_files):
     if not mounted or set(caps) != {"0" * 16}:
         sys.exit(f"the jail's /tmp could not be made (errno {ctypes.get_errno()}), or capabilities stayed")
     os.chdir("/tmp")
-def _main(nonce, code, exprs, cpu_s, mem_mb, nproc, tmp):
+def _main(nonce, code, exprs, limits, tmp, most):
     if tmp:
         _own_tmp(*tmp)
-    limits = {"CPU": cpu_s, "AS": mem_mb << 20, "CORE": 0, "FSIZE": 1 << 20, "NOFILE": 64, "NPROC": nproc}
     for name, val in limits.items():   # the hard limits too: in the jail nothing can raise them again
         resource.setrlimit(getattr(resource, "RLIMIT_" + name), (val, val))
     # before the completion runs, which therefore cannot hide it: the parent knows the jail started
@@ -133,7 +156,7 @@ def _main(nonce, code, exprs, cpu_s, mem_mb, nproc, tmp):
     # the parent's (judge), so nothing here, patched or forged, decides whether a test passes
     for i, expr in enumerate(exprs):
         try:
-            value = json.dumps(_plain(eval(expr, ns)), separators=(",", ":"))
+            value = json.dumps(_plain(eval(expr, ns), most), separators=(",", ":"))
             os.write(1, f"\n{nonce} {i} {value}\n".encode())
         except BaseException:
             pass
@@ -145,11 +168,14 @@ _main(*json.loads(sys.stdin.read()))
 # bound by RLIMIT_AS (it lives until the jail's IPC namespace goes); add_key, request_key, keyctl: the kernel
 # keyring is not namespaced, so a key one completion adds could be read by the next; and what no computation
 # needs but kernel exploits use (Docker's default profile refuses them too): bpf, perf_event_open,
-# userfaultfd, io_uring_setup, io_uring_enter, io_uring_register
+# userfaultfd, io_uring_setup, io_uring_enter, io_uring_register; and what acts on another process of the
+# jail: ptrace, process_vm_readv, process_vm_writev, pidfd_getfd, process_madvise
 SECCOMP_ARCH = {"x86_64": (0xC000003E, 56, 435,
-                           [57, 58, 29, 68, 64, 248, 249, 250, 321, 298, 323, 425, 426, 427]),
+                           [57, 58, 29, 68, 64, 248, 249, 250, 321, 298, 323, 425, 426, 427,
+                            101, 310, 311, 438, 440]),
                 "aarch64": (0xC00000B7, 220, 435,
-                            [194, 186, 190, 217, 218, 219, 280, 241, 282, 425, 426, 427])}
+                            [194, 186, 190, 217, 218, 219, 280, 241, 282, 425, 426, 427,
+                             117, 270, 271, 438, 440])}
 # the completion's user and group inside the jail ("nobody"): never root in any namespace
 JAIL_ID = 65534
 # when the trainer is root, the jail's user and group on the host: one uid per running jail, never a host
@@ -224,7 +250,9 @@ def jail_argv(bwrap: str, seccomp_fd: int, setpriv: str | None = None, uid: int 
     roots = [r for r in roots if not any(r.startswith(o + os.sep) for o in roots)]
     # (--unshare-all alone makes no user namespace when bwrap runs as root); --remount-ro /proc: the jail's
     # /proc/sys is the host's kernel settings, and bwrap (0.8) leaves it writable to a root in the jail
-    argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+    # --as-pid-1: the completion's own interpreter is the jail's pid 1, under its limits (bwrap's init
+    # would be a process of the completion's user, dumpable and without RLIMIT_AS, that it could attach to)
+    argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1",
             "--new-session", "--clearenv", "--uid", str(JAIL_ID), "--gid", str(JAIL_ID), "--cap-drop", "ALL",
             "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP",
             "--seccomp", str(seccomp_fd), *_system_binds(roots),
@@ -268,189 +296,6 @@ def check_jail() -> None:
         raise RuntimeError("the bubblewrap jail started but did not run a trivial program correctly")
 
 
-# what the trainer evaluates itself in a test, with its own builtins: the rest goes to the jail
-TRUSTED = {name: getattr(builtins, name) for name in (
-    "abs", "all", "any", "bool", "float", "int", "isinstance", "len", "list", "max", "min", "round",
-    "sorted", "str", "sum", "tuple", "type")}
-MATH = {"isclose", "isnan", "isinf", "isfinite", "fabs", "sqrt", "floor", "ceil", "pi", "e", "inf", "nan"}
-# nodes the trainer evaluates (their children may still be the jail's)
-OWN = (ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.IfExp, ast.Tuple, ast.List,
-       ast.Set, ast.Dict, ast.Subscript, ast.Slice)
-# the parse of the jail's values: at most this many values and containers in one completion's, nested
-# this deep, and this many distinct values sharing one hash (more make a set or dict quadratic)
-MAX_NODES, MAX_DEPTH, MAX_COLLISIONS = 50_000, 64, 8
-CMP = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-       ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
-       ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
-BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-          ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-          ast.LShift: operator.lshift, ast.RShift: operator.rshift, ast.BitAnd: operator.and_,
-          ast.BitOr: operator.or_, ast.BitXor: operator.xor, ast.MatMult: operator.matmul}
-UNARY = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Invert: operator.invert}
-STRING = re.compile(r'"[^"]*"')   # a JSON string once its escaped backslashes and quotes are gone
-
-
-def hashed(kind, items):
-    """kind(items) for a set, frozenset or dict (items: its keys, or (key, value) pairs for a dict), once
-    no more than MAX_COLLISIONS distinct keys share a hash: keys of one hash (multiples of 2**61 - 1, or
-    tuples built to collide) make each insertion compare with all before it. ValueError if they do."""
-    items, seen = list(items), {}
-    for key in (pair[0] for pair in items) if kind is dict else items:
-        same = seen.setdefault(hash(key), [])
-        if not any(key == other for other in same):
-            same.append(key)
-            if len(same) > MAX_COLLISIONS:
-                raise ValueError("too many values share one hash")
-    return kind(items)
-
-
-def numeric_sum(items, start=0):
-    """sum() of numbers only: summing lists (sum(xs, [])) copies the total so far at each item."""
-    if not isinstance(start, (int, float, complex)):
-        raise ValueError("sum() of numbers only")
-    return sum(items, start)
-
-
-TRUSTED.update(set=lambda items=(): hashed(set, items), frozenset=lambda items=(): hashed(frozenset, items),
-               sum=numeric_sum)
-
-
-def split_test(test: str) -> tuple[ast.expr, list[str]]:
-    """'assert E' -> (E, the parts of E the jail computes). A part is a maximal subexpression that calls
-    into or names the completion's code (`f(x, k=[1])`, `X`, `obj.m()`); the trainer evaluates the rest
-    (judge): comparisons, arithmetic, and/or/not, containers, subscripts, TRUSTED's builtins and MATH's
-    math functions, so the expected values never enter the jail and no verdict comes out of it. Each part
-    is marked on its node (`node.jail`, its index). The tests are the task's own, so a test that is no
-    assert, or that needs a comprehension or a lambda of the trainer's, is a bug (ValueError)."""
-    body = ast.parse(test).body
-    if len(body) != 1 or not isinstance(body[0], ast.Assert):
-        raise ValueError(f"not an assert: {test!r}")
-    parts = []
-
-    def is_math(node):
-        return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                and node.value.id == "math" and node.attr in MATH)
-
-    def mark(node):
-        if isinstance(node, (ast.operator, ast.cmpop, ast.boolop, ast.unaryop, ast.expr_context)) or (
-                isinstance(node, ast.Name) and node.id in TRUSTED) or is_math(node):
-            return
-        if isinstance(node, ast.Call) and (is_math(node.func) or (
-                isinstance(node.func, ast.Name) and node.func.id in TRUSTED)):
-            children = [*node.args, *node.keywords]
-        elif isinstance(node, (ast.keyword, *OWN)) and not (isinstance(node, ast.Dict) and None in node.keys):
-            children = list(ast.iter_child_nodes(node))
-        elif isinstance(node, (ast.Name, ast.Call, ast.Attribute)):
-            node.jail = len(parts)
-            parts.append(ast.unparse(node))
-            return
-        else:
-            raise ValueError(f"{type(node).__name__} in a test the trainer cannot judge: {test!r}")
-        for child in children:
-            mark(child)
-    mark(body[0].test)
-    return body[0].test, parts
-
-
-def judge(node: ast.expr, values: dict):
-    """The value of a test's expression, evaluated here with trusted builtins; `values` holds what the jail
-    computed for each marked part (split_test), by index. Raises (KeyError for a part without a value,
-    ValueError for a result too big to build) where the test fails."""
-    value = lambda n: judge(n, values)
-    if hasattr(node, "jail"):
-        return values[node.jail]
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, ast.Name):
-        return TRUSTED[node.id]
-    if isinstance(node, ast.Attribute):
-        return getattr(math, node.attr)
-    if isinstance(node, ast.BoolOp):   # and/or stop at their first deciding value, as Python's
-        for item in node.values:
-            got = value(item)
-            if bool(got) == isinstance(node.op, ast.Or):
-                return got
-        return got
-    if isinstance(node, ast.Compare):
-        left = value(node.left)
-        for op, right in zip(node.ops, map(value, node.comparators)):
-            if not CMP[type(op)](left, right):
-                return False
-            left = right
-        return True
-    if isinstance(node, ast.UnaryOp):
-        return UNARY[type(node.op)](value(node.operand))
-    if isinstance(node, ast.BinOp):
-        return binary(node.op, value(node.left), value(node.right))
-    if isinstance(node, ast.IfExp):
-        return value(node.body) if value(node.test) else value(node.orelse)
-    if isinstance(node, (ast.Tuple, ast.List)):
-        return (tuple if isinstance(node, ast.Tuple) else list)(map(value, node.elts))
-    if isinstance(node, ast.Set):
-        return hashed(set, map(value, node.elts))
-    if isinstance(node, ast.Dict):
-        return hashed(dict, zip(map(value, node.keys), map(value, node.values)))
-    if isinstance(node, ast.Subscript):
-        return value(node.value)[value(node.slice)]
-    if isinstance(node, ast.Slice):
-        return slice(*(None if n is None else value(n) for n in (node.lower, node.upper, node.step)))
-    func = TRUSTED[node.func.id] if isinstance(node.func, ast.Name) else getattr(math, node.func.attr)
-    return func(*map(value, node.args), **{k.arg: value(k.value) for k in node.keywords})
-
-
-def binary(op: ast.operator, a, b):
-    """a op b, refused (ValueError) where the jail's values would make it huge: a sequence repeated, a
-    power or a shift past OUTPUT_CAP bytes, or formatting a string (its width is the completion's)."""
-    sizes = [len(x) * y for x, y in ((a, b), (b, a)) if isinstance(x, (str, bytes, list, tuple))
-             and isinstance(y, int)] if isinstance(op, ast.Mult) else []
-    ints = isinstance(a, int) and isinstance(b, int)
-    if (any(n > OUTPUT_CAP for n in sizes) or (isinstance(op, ast.LShift) and ints and b > 8 * OUTPUT_CAP)
-            or (isinstance(op, ast.Pow) and ints and abs(a) > 1 and b * a.bit_length() > 8 * OUTPUT_CAP)
-            or (isinstance(op, ast.Mod) and isinstance(a, (str, bytes)))):
-        raise ValueError("too big")
-    return BINARY[type(op)](a, b)
-
-
-def read_value(text: str, budget: list[int]):
-    """A value the jail wrote (JSON of plain types, containers tagged: see PROLOGUE's _plain), read without
-    running anything and within bounds, counted before json parses it: budget[0] values at most (the rest
-    is taken off it, across the values of one completion), MAX_DEPTH deep, sets and dicts through
-    `hashed`, integers of at most sys.get_int_max_str_digits() digits. ValueError (TypeError for an
-    unhashable key, RecursionError for a nest too deep for json) otherwise."""
-    if len(text) > OUTPUT_CAP:
-        raise ValueError("longer than the jail may write")
-    # the counts must not see the text of strings ("," in "a,b"), when they matter: escapes go first, so
-    # that every quote left is a string's end, and the scan is linear (else a string starts at each one)
-    bare = text if text.count(",") < budget[0] else STRING.sub(
-        "", text.replace("\\\\", "").replace('\\"', ""))
-    budget[0] -= bare.count(",") + 1
-    if budget[0] < 0:
-        raise ValueError("too many values")
-    return tagged(json.loads(text), MAX_DEPTH)
-
-
-def tagged(value, depth: int):
-    """json's value with its tagged containers built (["tuple", 1, 2] -> (1, 2)), at most `depth` deep."""
-    if isinstance(value, dict):
-        raise ValueError("a JSON object: the jail writes dicts as tagged lists")
-    if not isinstance(value, list):
-        return value
-    if depth == 0:
-        raise ValueError("nested too deep")
-    tag, *rest = [tagged(x, depth - 1) for x in value] or [None]
-    if tag in ("list", "tuple"):
-        return rest if tag == "list" else tuple(rest)
-    if tag in ("set", "frozenset"):
-        return hashed(set if tag == "set" else frozenset, rest)
-    if tag == "dict" and len(rest) % 2 == 0:
-        return hashed(dict, zip(rest[::2], rest[1::2]))
-    if tag == "bytes" and len(rest) == 1 and isinstance(rest[0], str):
-        return bytes.fromhex(rest[0])
-    if tag == "complex" and len(rest) == 2 and all(type(x) is float for x in rest):
-        return complex(*rest)
-    raise ValueError(f"not a tagged container: {tag!r}")
-
-
 def read_output(fd: int, deadline: float) -> bytes:
     """What the jail writes to `fd` until EOF (every process of the jail is gone), `deadline` (time.monotonic)
     or OUTPUT_CAP bytes, whichever comes first. The deadline is checked before every read, however much is
@@ -478,7 +323,9 @@ def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int
     checks, nonce = [split_test(t) for t in tests], secrets.token_hex(16)
     exprs = [part for _, parts in checks for part in parts]
     tmp = None if os.environ.get(UNJAILED) == "1" else [TMP_MB, TMP_FILES]
-    payload = json.dumps([nonce, code, exprs, cpu_s, mem_mb, nproc, tmp]).encode()
+    limits = {"CPU": cpu_s, "AS": mem_mb << 20, "CORE": 0, "FSIZE": FILE_MB << 20, "NOFILE": NOFILE,
+              "NPROC": nproc}
+    payload = json.dumps([nonce, code, exprs, limits, tmp, MAX_NODES]).encode()
     command = [os.path.realpath(sys.executable), "-I", "-S", "-c", PROLOGUE]
     unjailed, fds, root = os.environ.get(UNJAILED) == "1", [], os.geteuid() == 0
     workdir = tempfile.TemporaryDirectory(prefix="grpo_sandbox_") if unjailed else contextlib.nullcontext("/")

@@ -29,6 +29,7 @@ SYSTEM_PROMPT = ("You are a careful problem solver. First think step by step ins
 COUNTDOWN_SIZES = {"train": 10000, "test": 500}
 COUNTDOWN_TEST_SEED = 1234   # the held-out problems never depend on --seed, so runs compare
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+HUB_TIMEOUT = 10   # seconds to ask the hub whether a --data name is a dataset of its
 
 
 class DataError(ValueError):
@@ -72,6 +73,8 @@ def data_file(data: str, split: str) -> str | None:
     word; any other file is the train split alone."""
     if os.path.isdir(data):
         candidates = [os.path.join(data, f"{split}.{ext}") for ext in ("jsonl", "parquet")]
+    elif os.path.islink(data) and not os.path.exists(data):
+        raise DataError(f"--data {data}: a broken symbolic link (to {os.readlink(data)})")
     elif not os.path.isfile(data):
         raise DataError(f"--data {data}: no such file or folder")
     elif not data.endswith(DATA_SUFFIXES):
@@ -120,6 +123,12 @@ def read_records(path: str) -> list[tuple[str, dict]]:
                     out.append((f"{path}:{i}", json.loads(line.rstrip("\n"))))
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{i}: not a JSON line ({e.msg}, column {e.colno})") from None
+                # a JSON escape (\ud800) can be half of a UTF-16 pair, which is no text: a tokenizer
+                # raises TypeError on it
+                if "\\ud" in line.lower() and (half := re.search(
+                        r"[\ud800-\udfff]", json.dumps(out[-1][1], ensure_ascii=False))):
+                    raise DataError(f"{path}:{i}: holds a lone surrogate ({ascii(half[0])}, half of a "
+                                    f"UTF-16 pair), which is no text")
     return out
 
 
@@ -270,23 +279,21 @@ def custom_samples(split: str, data: str | None, tokenizer, prompt_key: str, ans
     if data is None:
         raise DataError("--task custom reads --data: a JSONL or Parquet file, a folder with train/test "
                         "files, or a hub dataset name")
-    # a file's name (or a path) that is not there is a typo, not a hub dataset to look for
-    if os.path.exists(data) or data.endswith(DATA_SUFFIXES) or data.startswith((".", "/", "~")):
+    # a file's name (or a path) that is not there is a typo, not a hub dataset to look for; nor is a link
+    if os.path.lexists(data) or data.endswith(DATA_SUFFIXES) or data.startswith((".", "/", "~")):
         records = local_records(data, split)
-    else:   # a hub dataset (needs the internet once; cached by datasets afterwards)
-        import datasets
-        try:
-            splits = datasets.load_dataset(data)
-        except datasets.exceptions.DatasetNotFoundError:
-            raise DataError(f"--data {data}: no such file, folder or hub dataset") from None
-        if split == "train" and split not in splits:
-            raise DataError(f"--data {data}: no train split (the hub dataset has {', '.join(splits)})")
-        records = [(f"{data} {split} row {i}", r) for i, r in enumerate(splits[split], 1)] \
-            if split in splits else None
+    else:
+        records = hub_records(data, split)
     if records is None:
         return None
     out = []
     for where, r in records:
+        # the code reward's tests: each one the trainer can judge, or the run stops here
+        if "tests" in r:
+            try:
+                rewards.check_tests(r["tests"])
+            except ValueError as e:
+                raise DataError(f"{where}: the 'tests' column: {e}") from None
         for key, flag in ((prompt_key, "--prompt-key"), (answer_key, "--answer-key")):
             if not isinstance(r, dict) or r.get(key) is None:
                 have = ", ".join(map(repr, r)) if isinstance(r, dict) else type(r).__name__
@@ -297,6 +304,38 @@ def custom_samples(split: str, data: str | None, tokenizer, prompt_key: str, ans
         prompt = r[prompt_key] if chat_template == "none" else chat_prompt(tokenizer, r[prompt_key])
         out.append({**r, "prompt": prompt, "answer": r[answer_key]})
     return out
+
+
+def hub_records(data: str, split: str) -> list[tuple[str, dict]] | None:
+    """(where, record) of `split` of hub dataset `data` (None for a test split it lacks; needs the internet
+    once, cached by datasets afterwards). The hub is asked first, within HUB_TIMEOUT, whether it has that
+    dataset: a name it does not know, or a hub it cannot reach, is one DataError, where datasets would retry
+    for 35 s and end in a ConnectionError. With HF_HUB_OFFLINE=1, datasets' cache alone answers."""
+    import datasets
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+    missing = f"--data {data}: no such file or folder"
+    if not datasets.config.HF_HUB_OFFLINE:
+        try:
+            HfApi().dataset_info(data, timeout=HUB_TIMEOUT)
+        except (RepositoryNotFoundError, HFValidationError):
+            raise DataError(f"{missing}, nor a dataset on the hub") from None
+        except HfHubHTTPError:   # gated, private...: datasets says what it needs
+            pass
+        # the network's own errors (httpx's or requests', by huggingface_hub version)
+        except Exception as e:
+            raise DataError(f"{missing}, and the hub cannot be reached to look for a dataset of that name "
+                            f"({type(e).__name__}); HF_HUB_OFFLINE=1 reads one from datasets' cache") from None
+    try:
+        splits = datasets.load_dataset(data)
+    except datasets.exceptions.DatasetNotFoundError:
+        raise DataError(f"{missing}, nor a dataset on the hub") from None
+    except ConnectionError as e:   # offline, and not in the cache
+        raise DataError(f"{missing}, nor a dataset in datasets' cache ({e})") from None
+    if split == "train" and split not in splits:
+        raise DataError(f"--data {data}: no train split (the hub dataset has {', '.join(splits)})")
+    return [(f"{data} {split} row {i}", r) for i, r in enumerate(splits[split], 1)] \
+        if split in splits else None
 
 
 def load_task(name: str, split: str, *, data: str | None = None, seed: int = 0, tokenizer=None,

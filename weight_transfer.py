@@ -30,7 +30,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactory,
                                                       WeightTransferTrainerFactory)
 
-from placement import free_port, training_gpus
+from placement import free_port, tcp_store, training_gpus
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 # gloo's buckets: one collective per bucket (~0.4 ms however small on CPU), one held at a time on each
@@ -62,7 +62,7 @@ def buckets(weights, limit):
 
 def gloo_group(host, port, rank, size):
     """The weight group on CPU: rank 0 holds the store; a handshake broadcast crosses it before it is used."""
-    store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=GROUP_TIMEOUT)
+    store = tcp_store(host, port, size, is_master=rank == 0, timeout=GROUP_TIMEOUT)
     group = dist.ProcessGroupGloo(store, rank, size, GROUP_TIMEOUT)
     hello = torch.tensor([float(size) if rank == 0 else 0.0])
     group.broadcast(hello, 0).wait()

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -39,7 +40,8 @@ if phase == "first":
     os.makedirs(os.path.join(out, "step_3.tmp"))   # what a save killed halfway leaves
     open(os.path.join(out, "step_3.tmp", "junk"), "w").write("x")
 elif phase == "resumed":
-    state = read_state(True, out_dir=out, resume=True)   # before the engine loads it, as grpo_train.main does
+    # before the engine loads it, as grpo_train.main does (with the flags that bound its data position)
+    state = read_state(True, out_dir=out, resume=True, prompts_per_step=4, max_gen_rounds=1)
     load_checkpoint(engine, out, state["step"])
     assert (state["step"], state["data_pos"], state["counts"]["stale_dropped"]) == (2, 7, 0), state
 elif phase == "weights-only" and int(lora_rank):   # step 2's adapters, without their optimizer state
@@ -221,3 +223,80 @@ def test_the_summary_line_and_completions_file(tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2] and rows[0] == {"step": 1, **samples[0]}
     assert "samples" not in (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_a_state_that_is_not_its_checkpoints_stops_the_resume_in_one_line_touching_nothing(tmp_path, capsys):
+    """--resume took grpo_state.json on trust: step -3 was accepted, and metrics.jsonl went from 41 rows to 0;
+    broken JSON was a traceback; a data position past what the run could have drawn was accepted (the
+    shuffle then skipped towards it forever). Each is one line now, before anything is touched."""
+    a_run(tmp_path, "--lr", "3e-4")
+    rows = "".join(json.dumps({"step": s}) + "\n" for s in range(1, 42))
+    (tmp_path / "metrics.jsonl").write_text(rows)
+    state_file = tmp_path / "step_10" / "grpo_state.json"
+    good = json.loads(state_file.read_text())
+    # 10 steps of --prompts-per-step 8, one round each: at most 80 prompts drawn
+    for state, said in [({**good, "step": -3}, "its step -3 is not the folder's (step_10)"),
+                        ({**good, "step": 7}, "its step 7 is not the folder's (step_10)"),
+                        ({**good, "data_pos": 10 ** 12}, "its data position 1000000000000 is not one a run "
+                                                         "reaches by then (0 to 80)"),
+                        ({**good, "data_pos": [3, -1]}, "its data position [3, -1] is not one"),
+                        ({**good, "counts": {"skipped_steps": "2"}}, "its counts {'skipped_steps': '2'} are"),
+                        ({**good, "ref": "/elsewhere/model"}, "its reference checkpoint '/elsewhere/model' is"),
+                        ("{\"step\": 10, ", "grpo_state.json cannot be read (Expecting")]:
+        state_file.write_text(state if isinstance(state, str) else json.dumps(state))
+        line = refusal(capsys, tmp_path, "--lr", "3e-4", "--resume")
+        assert line.startswith(f"grpo_train.py: --resume: {state_file}") and said in line, line
+        assert (tmp_path / "metrics.jsonl").read_text() == rows
+    (tmp_path / "latest").write_text("step_99")
+    line = refusal(capsys, tmp_path, "--lr", "3e-4", "--resume")
+    assert f"{tmp_path}/latest names 'step_99', no checkpoint folder step_N there" in line, line
+    state_file.write_text(json.dumps({**good, "data_pos": 80}))
+    (tmp_path / "latest").write_text("step_10")
+    assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume") is None
+
+
+def test_metrics_are_rewritten_only_once_the_checkpoint_has_loaded(tmp_path):
+    """On resume, metrics.jsonl keeps the rows up to the checkpoint: the rewrite waits for the first row,
+    which a run writes after its checkpoint has loaded (a checkpoint that fails to load leaves them all)."""
+    from metrics import MetricsLog
+    rows = "".join(json.dumps({"step": s}) + "\n" for s in range(1, 42))
+    (tmp_path / "metrics.jsonl").write_text(rows)
+    log = MetricsLog(10, **{**flags("--steps", "20"), "out_dir": str(tmp_path)})
+    assert (tmp_path / "metrics.jsonl").read_text() == rows
+    log.write({"step": 11, "reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "entropy": 1.0, "completion_len/mean": 5.0,
+               "frac_zero_std": 0.5})
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 12))
+
+
+def test_a_symlinked_step_folder_is_removed_never_followed(tmp_path, capsys):
+    """Pruning and --overwrite met a step_N (or step_N.tmp) that is a symlink: a traceback (rmtree refuses
+    links). The link is removed now, and what it points to stays whole."""
+    from checkpoints import prune_checkpoints
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    run = tmp_path / "run"
+    for n in (10, 30):
+        (run / f"step_{n}").mkdir(parents=True)
+    (run / "step_20").symlink_to(outside)
+    prune_checkpoints(str(run), 30, keep=1, ref=None)
+    assert sorted(p.name for p in run.iterdir()) == ["step_30"]
+    again = tmp_path / "again"
+    a_run(again, "--lr", "3e-4")
+    (again / "step_5").symlink_to(outside)
+    (again / "step_11.tmp").symlink_to(outside)
+    assert refusal(capsys, again, "--overwrite") is None
+    assert sorted(p.name for p in again.iterdir()) == ["metrics.jsonl"]
+    assert (outside / "keep.txt").read_text() == "keep"
+
+
+def test_zero_where_a_count_is_needed_is_one_line(capsys):
+    """--sync-every 0 was a ZeroDivisionError at step 1, --threads 0 a traceback at start."""
+    from grpo_train import get_args
+    for flag in ("--sync-every", "--threads"):
+        with pytest.raises(SystemExit) as stop:
+            get_args(["--model", "m", flag, "0"])
+        (line,) = capsys.readouterr().err.splitlines()
+        assert stop.value.code == 1 and line == (f"grpo_train.py: argument {flag}: invalid at_least_one value: "
+                                                 f"'0' (--help lists the flags)")

@@ -63,8 +63,25 @@ def engine_of(launcher):
     return next((p for p, cmd in commands if "spawn_main" in cmd and "resource_tracker" not in cmd), None)
 
 
-def test_killed_generation_process_stops_the_run_quickly_with_no_orphans(tmp_path, tiny_model):
-    proc = launch(tmp_path, tiny_model, "--beta", "0", "--steps", "100000", "--lr", "1e-6")
+def listening(processes):
+    """(pid, address, port) of each TCP socket the processes listen on (gone ones left out)."""
+    found = set()
+    for p in processes:
+        try:
+            found |= {(p.pid, c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
+                      if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def test_killed_generation_process_stops_the_run_quickly_with_no_orphans(tmp_path, tiny_model, capsys):
+    """And while it runs: every socket the run listens on is on loopback (rank 0's rendezvous on the
+    launcher's --master_port, the generation process's store, the weight group's: torch's servers
+    listened on every interface); and its rank 0 holds --out-dir, so that a second run there, through a
+    symlink, stops in one line naming it."""
+    port = next_port()
+    proc = launch(tmp_path, tiny_model, "--beta", "0", "--steps", "100000", "--lr", "1e-6", port=port)
     launcher = psutil.Process(proc.pid)
     deadline, gen = time.time() + 240, None
     while time.time() < deadline and gen is None:   # the vLLM child: a spawned grandchild of a rank
@@ -75,6 +92,15 @@ def test_killed_generation_process_stops_the_run_quickly_with_no_orphans(tmp_pat
             gen = engine_of(launcher)
     assert gen is not None, "the run never logged two steps"
     family = launcher.children(recursive=True)
+    rank_0, listeners = gen.parent(), listening([launcher, *family])
+    assert {ip for _, ip, _ in listeners} == {"127.0.0.1"}, listeners
+    assert (rank_0.pid, "127.0.0.1", port) in listeners and sum(pid == rank_0.pid for pid, _, _ in listeners) >= 3
+    from checkpoints import read_state
+    (tmp_path.parent / f"{tmp_path.name}-link").symlink_to(tmp_path)
+    with pytest.raises(SystemExit):
+        read_state(True, out_dir=f"{tmp_path}-link", resume=False, overwrite=True)
+    assert capsys.readouterr().err == (f"grpo_train.py: --out-dir {tmp_path}-link is in use by another run (pid "
+                                       f"{rank_0.pid}): wait for it to end, or pass another --out-dir\n")
     t0 = time.time()
     gen.send_signal(signal.SIGKILL)
     rc, out = finish(proc, timeout=120)

@@ -141,14 +141,15 @@ def env_without_token():
     return {k: v for k, v in os.environ.items() if k != "REF_SERVER_TOKEN"}
 
 
-def spawn_server(model_path, log_path, *args, env=None, port=None):
-    """Start ref_server.py on `port` (default: conftest.next_port's), not waiting for it -> (proc, url, log)."""
+def spawn_server(model_path, log_path, *args, env=None, port=None, script=None):
+    """Start ref_server.py on `port` (default: conftest.next_port's), not waiting for it -> (proc, url, log).
+    `script`: Python code run in its place, ref_server.py's arguments in sys.argv[1:]."""
     port = port or next_port()
     log = open(log_path, "w")
-    cmd = [sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", model_path, "--port", str(port),
-           "--threads", "1", *args]
+    cmd = [sys.executable, *(["-c", script] if script else [os.path.join(ROOT, "ref_server.py")]), "--model",
+           model_path, "--port", str(port), "--threads", "1", *args]
     env = env_without_token() if env is None else env
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     return proc, f"http://127.0.0.1:{port}", log
 
 
@@ -364,6 +365,12 @@ def test_body_limits(server, model):
     assert_json_error(post(server, GOOD + bytes(limit)), 413, "max_body")
     status, err = raw_request(server, auth)  # no Content-Length
     assert status == 411 and "Content-Length" in err
+    # a chunked body (the client never sends one) is refused from the head: waitress's chunk parser spent 6 s
+    # of CPU on an 8 MiB size line that never ends; without the token, the token is what is said
+    for encoding in ("chunked", "gzip, chunked", "gzip"):
+        status, err = raw_request(server, {**auth, "Transfer-Encoding": encoding})
+        assert status == 411 and "Content-Length" in err, (encoding, status, err)
+    assert raw_request(server, {"Transfer-Encoding": "chunked"})[0] == 401
     for bad in ("abc", "-5", "+5", "1e3", "0x10", "²"):  # waitress refuses them; bottle would 500
         status, err = raw_request(server, {**auth, "Content-Length": bad})
         assert status == 400 and "Content-Length" in err, (bad, status, err)
@@ -799,11 +806,31 @@ def test_client_retries_an_answer_cut_short(capsys):
     listener.close()
 
 
+# ref_server.py, with the checkpoint file CUT_SHORT cut to half its size once its header has been read: the
+# moment another process truncates a file under /reload, made exact. safetensors has just read the header
+# (safe_open returned); on main the weights were then read through its map of the file
+TRUNCATING = """
+import os, sys
+import ref_server
+victim, opened = os.environ["CUT_SHORT"], ref_server.safe_open
+def safe_open(*args, **kwargs):
+    handle = opened(*args, **kwargs)
+    if os.path.exists(victim) and not os.path.exists(victim + ".cut"):
+        os.truncate(victim, os.path.getsize(victim) // 2)
+        open(victim + ".cut", "w").close()
+    return handle
+ref_server.safe_open = safe_open
+ref_server.main(sys.argv[1:])
+"""
+
+
 def test_reload_serves_only_the_files_it_checked(tmp_path, tiny_model):
     """A file swapped for a symlink to outside --checkpoint-dir between the checks and the read: main d08f4ac
     checked names, then from_pretrained opened them again, and 3 of about 16 tries served the outside weights.
     Now each file is opened once (no symlink followed) and checked and read on that descriptor: a try either
-    serves the inside checkpoint or is refused with 403, never the outside one."""
+    serves the inside checkpoint or is refused with 403, never the outside one. And a file cut short after
+    its header was read killed the server (its map of the file faulted: SIGBUS); it is a 422 now, and the
+    server serves on."""
     from transformers import AutoModelForCausalLM
     ckpts, outside = tmp_path / "run", tmp_path / "outside"
     fingerprints = {}
@@ -822,8 +849,10 @@ def test_reload_serves_only_the_files_it_checked(tmp_path, tiny_model):
             for away, back in (("real", "link"), ("link", "real")):
                 os.rename(weights, ckpts / away)
                 os.rename(ckpts / back, weights)
+    cut = ckpts / "cut"
     proc, url, log = spawn_server(tiny_model, tmp_path / "log.txt", "--checkpoint-dir", str(ckpts),
-                                  env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
+                                  env={**os.environ, "REF_SERVER_TOKEN": TOKEN,
+                                       "CUT_SHORT": str(cut / "model.safetensors")}, script=TRUNCATING)
     swapper = threading.Thread(target=swap, daemon=True)
     try:
         wait_up(proc, url, log)
@@ -836,6 +865,15 @@ def test_reload_serves_only_the_files_it_checked(tmp_path, tiny_model):
             served.append(requests.get(url + "/health", timeout=10).json()["fingerprint"])
         assert fingerprints["outside"] not in served
         assert fingerprints["inside"] in served   # the swap did not refuse every try
+        stop.set()
+        swapper.join(10)
+        import shutil
+        shutil.copytree(outside, cut)
+        r = requests.post(url + "/reload", data=json.dumps({"path": str(cut)}),
+                          headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+        assert_json_error(r, 422, "model.safetensors changed while it was read")
+        assert (cut / "model.safetensors.cut").exists() and proc.poll() is None
+        assert requests.get(url + "/health", timeout=10).json()["fingerprint"] == served[-1]   # unchanged
         assert "Traceback" not in server_log(log)
     finally:
         stop.set()
@@ -979,6 +1017,14 @@ def test_idle_connections_hold_no_slot_of_the_default_server(tmp_path, tiny_mode
         held = [connect(url) for _ in range(31)] + [connect(url)]
         held[-1].sendall(b"POST /logps HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\na")
         assert sum(requests.get(url + "/health", timeout=10).status_code == 200 for _ in range(5)) == 5
+        for s in held:
+            s.close()
+        # without a token (this, the documented loopback start), a chunked body waited for its chunks: one
+        # whose size line never ends cost 6 s of CPU per 8 MiB. It is refused from its head now
+        with connect(url, timeout=20) as s:
+            s.sendall(b"POST /logps HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+            assert answer_of(s) == ("HTTP/1.1 411 Length Required",
+                                    "Length Required: send Content-Length")
     finally:
         for s in held:
             s.close()

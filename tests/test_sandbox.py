@@ -460,8 +460,8 @@ def test_forged_results_need_the_right_values():
 def test_the_jail_holds_only_the_python_installation():
     code = ("import os\nROOT = sorted(os.listdir('/'))\n"
             "PROCS = sorted(p for p in os.listdir('/proc') if p.isdigit())")
-    # bwrap's init and the child: no other process
-    assert sandbox.run_tests(code, ["assert PROCS == ['1', '2']"]) == 1
+    # the child alone, as the jail's pid 1: no other process
+    assert sandbox.run_tests(code, ["assert PROCS == ['1']"]) == 1
     libs = {d for d in ("lib", "lib64", "lib32") if os.path.exists("/" + d)}
     top = sorted({"dev", "proc", "tmp", "usr", os.path.realpath(sys.base_prefix).split(os.sep)[1]} | libs)
     assert sandbox.run_tests(code, [f"assert ROOT == {top!r}"]) == 1
@@ -509,7 +509,7 @@ def jail_interpreters(n, while_running=lambda seen: None):
     """Runs n jails at once, each a completion that sleeps: -> {pid: (uids, gids)} of their interpreters as
     the host sees them, once all n run; while_running(that dict) is called then, while they still run."""
     before, seen = descendants(), {}
-    jails = [threading.Thread(target=sandbox.run_tests, args=("import time\ntime.sleep(8)", ["assert 1"]),
+    jails = [threading.Thread(target=sandbox.run_tests, args=("import time\ntime.sleep(8)", ["assert time"]),
                               kwargs={"timeout_s": 120}) for _ in range(n)]
     for jail in jails:
         jail.start()
@@ -562,9 +562,10 @@ def test_the_jails_tmp_bounds_files_too():
     step that mounts it leaves the completion no capability."""
     code = ("import os\nN, E = 0, None\ntry:\n    for i in range(100000):\n"
             "        open(f'f{i}', 'w').close()\n        N += 1\nexcept OSError as e:\n    E = e.errno\n"
-            "CAPS = [l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')]\n")
+            "CAPS = [l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')]\n"
+            "CWD = os.getcwd()")
     tests = [f"assert {sandbox.TMP_FILES} - 16 < N < {sandbox.TMP_FILES}", "assert E == 28",
-             f"assert CAPS == {['0' * 16] * 5!r}", "assert os.getcwd() == '/tmp'"]
+             f"assert CAPS == {['0' * 16] * 5!r}", "assert CWD == '/tmp'"]
     assert sandbox.run_tests(code, tests, timeout_s=30) == 4
 
 
@@ -655,6 +656,145 @@ def test_a_result_line_cut_at_the_cap_does_not_count():
     assert sandbox.run_tests(code.replace(f"{filler}", "1"), ["assert big()"], timeout_s=30) == 1
 
 
+# the expected side of each test is Python's builtins on constants, which the jail computed (and a
+# completion could choose): range, dict, pow, a string method
+EXPECTED_TESTS = ["assert f(10) == pow(2, 10)", "assert g() == dict(a=2, b=1)",
+                  "assert w() == ' '.join(['a', 'b'])", "assert r() == range(4)"]
+SOLVES = ("def f(n):\n    return 2 ** n\ndef g():\n    return {'a': 2, 'b': 1}\n"
+          "def w():\n    return 'a b'\ndef r():\n    return range(4)")
+# solves nothing: binds the builtins the tests use at module level, in whose namespace the jail
+# evaluated them, to what its own functions return
+REBINDS = ("pow = dict = range = lambda *args, **kwargs: 7\n"
+           "def f(n):\n    return 7\ndef g():\n    return 7\ndef w():\n    return 7\ndef r():\n    return 7")
+# solves nothing: finds the nonce and writes 7 as the value of every part, then leaves
+FORGES = """
+import os, sys
+_caller = sys._getframe(1).f_locals
+for _i in range(len(_caller['exprs'])):
+    os.write(1, f"\\n{_caller['nonce']} {_i} 7\\n".encode())
+os._exit(0)
+"""
+
+
+def test_the_expected_side_never_comes_from_the_jail():
+    """A completion that rebinds range, dict and pow passed 3 of these 4 tests, one that forges the values
+    4 of 4, solving nothing, and the right one 3 of 4 (the jail wrote no value for `range(4)`). Now the
+    jail is asked for f(10), g(), w() and r() alone: they score 0, 0 and 4, as Python scores them."""
+    python = {}
+    exec(SOLVES, python)
+    assert all(eval(t.removeprefix("assert "), python) for t in EXPECTED_TESTS)
+    assert [sandbox.run_tests(code, EXPECTED_TESTS) for code in (REBINDS, FORGES, SOLVES)] == [0, 0, 4]
+
+
+LAZY_CODE = """
+def evens(n):
+    return (i for i in range(0, n, 2))
+def upto(n):
+    return range(n)
+def squares(xs):
+    return map(lambda x: x * x, xs)
+def positive(xs):
+    return filter(lambda x: x > 0, xs)
+def names(d):
+    return d.keys()
+def counts(d):
+    return d.values()
+def pairs(d):
+    return d.items()
+"""
+LAZY_TESTS = ["assert list(evens(7)) == [0, 2, 4, 6]", "assert sorted(upto(3), reverse=True) == [2, 1, 0]",
+              "assert len(upto(5)) == 5 and upto(5) == range(5)", "assert set(squares([1, 2, 2])) == {1, 4}",
+              "assert list(positive([-1, 2, 0, 3])) == [2, 3]", "assert names({'a': 1, 'b': 2}) == {'a', 'b'}",
+              "assert sum(counts({'a': 1, 'b': 2})) == 3",
+              "assert sorted(pairs({'b': 2, 'a': 1})) == [('a', 1), ('b', 2)]",
+              "assert evens(3) != [0, 2]"]
+
+
+def test_generators_ranges_views_map_and_filter_are_judged_as_python():
+    """Right code returning a generator, range, dict view, map or filter scored 0 where Python gives every
+    test: the jail wrote no value for them. Now each comes back with its items, rebuilt as the same kind
+    of object, and scores as in Python (a generator still is no list)."""
+    python = {}
+    exec(LAZY_CODE, python)
+    assert all(eval(t.removeprefix("assert "), python) for t in LAZY_TESTS)
+    assert sandbox.run_tests(LAZY_CODE, LAZY_TESTS) == len(LAZY_TESTS)
+
+
+PID_1 = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+PID, PROCS = os.getpid(), sorted(p for p in os.listdir('/proc') if p.isdigit())
+LIMIT = next(line.split()[3] for line in open('/proc/1/limits') if line.startswith('Max address space'))
+# ptrace(PTRACE_ATTACH, 1), process_vm_readv(1, ...): each answer and errno
+CALLS = []
+for nr, args in ((NR_PTRACE, (16, 1, 0, 0)), (NR_VM_READ, (1, 0, 0, 0, 0, 0))):
+    CALLS.append((libc.syscall(nr, *args), ctypes.get_errno()))
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in sandbox.SECCOMP_ARCH, reason="no seccomp filter here")
+def test_the_jails_pid_1_is_the_completion_under_its_limits():
+    """bwrap's init was the jail's pid 1: a process of the completion's user, dumpable, without RLIMIT_AS,
+    which a completion attached to with ptrace and made map 1 GiB. Now the completion's interpreter is
+    pid 1, the jail's only process, under the address-space limit; and ptrace and process_vm_readv of it
+    are refused (EPERM)."""
+    numbers = {"x86_64": (101, 310), "aarch64": (117, 270)}[platform.machine()]
+    code = PID_1.replace("NR_PTRACE", str(numbers[0])).replace("NR_VM_READ", str(numbers[1]))
+    tests = ["assert PID == 1", "assert PROCS == ['1']", f"assert LIMIT == '{512 << 20}'",
+             "assert CALLS == [(-1, 1), (-1, 1)]"]
+    assert sandbox.run_tests(code, tests) == 4
+
+
+HOLD = """
+import array, os, socket
+HELD, OPEN = 0, []
+ours, theirs = socket.socketpair()
+def filled():
+    # a memfd written to RLIMIT_FSIZE (EFBIG); its memory is outside RLIMIT_AS
+    global HELD
+    fd = os.memfd_create('held')
+    try:
+        while True:
+            HELD += os.write(fd, bytes(65536))
+    except OSError:
+        return fd
+try:
+    # the working folder, to full (ENOSPC)
+    for i in range(100):
+        with open(f'f{i}', 'wb') as f:
+            for _ in range(16):
+                HELD += f.write(bytes(65536))
+except OSError:
+    pass
+try:
+    # in flight: sent over the socket and closed here, until the kernel refuses (ETOOMANYREFS)
+    while True:
+        fd = filled()
+        ours.sendmsg([b'.'], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array('i', [fd]))])
+        os.close(fd)
+except OSError:
+    pass
+try:
+    # then open, until no file is left (EMFILE)
+    while True:
+        OPEN.append(filled())
+except OSError:
+    pass
+HELD >>= 20
+"""
+
+
+def test_a_jails_memory_budget_counts_what_it_holds_outside_its_address_space():
+    """--reward-workers gave each jail 528 MiB (its address space and /tmp), but a jail also holds memfds
+    passed in flight and kept open, pipes and its /tmp, none of it under RLIMIT_AS. A completion holding
+    all it can this way (MiB, the kernel's own counts of what it wrote) stays within sandbox.jail_mb()
+    beside its address space, and holds more than /tmp alone: what the budget of before missed."""
+    outside = sandbox.jail_mb(512) - 512
+    assert sandbox.run_tests(HOLD, [f"assert {sandbox.TMP_MB} < HELD <= {outside}"], timeout_s=60) == 1
+    assert sandbox.run_tests(HOLD, [f"assert HELD > {outside} - 16"], timeout_s=60) == 1   # it is tight
+
+
 def test_the_judge_keeps_pythons_types():
     """Equality as Python has it: a tuple is not a list, an int key not a str key; but what Python calls
     equal still passes (a namedtuple and a tuple, 1 and 1.0, a frozenset and a set)."""
@@ -702,11 +842,12 @@ except RuntimeError as e:
 def test_where_user_namespaces_are_refused_the_run_says_what_to_run():
     """Docker's default seccomp profile (simulated: a filter refusing CLONE_NEWUSER on the trainer) stops
     bwrap. As root and as an unprivileged user, the check at start is then one line saying what to run;
-    without the filter, the same user gets its jail. sandbox.py imports no project module, so the
-    unprivileged user runs it from a folder of its own with the system's Python."""
+    without the filter, the same user gets its jail. sandbox.py imports no project module but judge.py,
+    so the unprivileged user runs the two from a folder of their own with the system's Python."""
     folder = tempfile.mkdtemp(prefix="grpo_userns_", dir="/tmp")
     try:
-        shutil.copy(os.path.join(ROOT, "sandbox.py"), folder)
+        for name in ("sandbox.py", "judge.py"):
+            shutil.copy(os.path.join(ROOT, name), folder)
         open(os.path.join(folder, "block.py"), "w").write(BLOCK_USERNS)
         os.chmod(folder, 0o755)
         for name in os.listdir(folder):

@@ -291,6 +291,37 @@ def test_data_mistakes_stop_the_run_with_one_line(tmp_path, capsys):
         assert re.match("grpo_train.py: " + expected, err), err
 
 
+def test_a_name_that_is_no_file_a_lone_surrogate_or_a_test_it_cannot_judge_is_one_line(tmp_path, monkeypatch, capsys):
+    """Each was a traceback: a --data name existing only as a broken link, and a name that is neither file
+    nor folder while the hub cannot be reached, were looked for on the hub (35 s of retries here,
+    then a ConnectionError); a prompt holding a lone surrogate (\\ud800 in the JSON) was a tokenizer's
+    TypeError. A test the code reward cannot judge went unnoticed until every completion scored nan. Now
+    each stops the run, at once, in one line naming the flag, or the file and line."""
+    import huggingface_hub
+    # a hub that cannot be reached, wherever the tests run: nothing listens on port 9
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.chdir(tmp_path)
+    os.symlink(tmp_path / "moved" / "train.jsonl", "mydata")
+    write_jsonl(tmp_path / "surrogate.jsonl", [{"prompt": "a", "answer": "x"}, {"prompt": "b\ud800", "answer": "y"}])
+    write_jsonl(tmp_path / "tests.jsonl", [{"prompt": "p", "answer": "", "tests": ["assert sorted([2, 1]) == [1]"]}])
+    for data, line in [("mydata", f"--data mydata: a broken symbolic link (to {tmp_path}/moved/train.jsonl)"),
+                       # the network error's name is the HTTP library's
+                       ("otherdata", "--data otherdata: no such file or folder, and the hub cannot be reached to "
+                                     "look for a dataset of that name (*); HF_HUB_OFFLINE=1 reads one from "
+                                     "datasets' cache"),
+                       ("surrogate.jsonl", r"surrogate.jsonl:2: holds a lone surrogate ('\ud800', half of a UTF-16 "
+                                           "pair), which is no text"),
+                       ("tests.jsonl", "tests.jsonl:1: the 'tests' column: it names nothing of the completion's")]:
+        with pytest.raises(SystemExit) as stop:
+            load_prompts(data)
+        err = capsys.readouterr().err
+        said = re.escape(f"grpo_train.py: {line}").replace(r"\*", r"\w+")
+        assert stop.value.code == 1 and err.count("\n") == 1 and re.match(said, err), err
+    # a real dataset name is still the hub's to answer: an unknown one is one line too
+    with pytest.raises(tasks.DataError, match="no such file or folder, nor a dataset on the hub"):
+        tasks.load_task("custom", "train", data="not a dataset name!", tokenizer=TOK)
+
+
 def test_prompts_too_long_through_the_chat_template_say_why(tmp_path, capsys):
     """A 6-token prompt became longer than --max-prompt-len 16 with the chat template, and the run
     stopped without saying why; --chat-template none trains on the prompts as they are."""
