@@ -528,3 +528,23 @@ def test_mistakes_of_the_config_file_and_the_logging_flags_are_one_line(tmp_path
                      chat_template="none")
     err = capsys.readouterr().err
     assert err == f"grpo_train.py: --data {tmp_path / 'empty.jsonl'}: no records (an empty file)\n", err
+
+
+def test_a_port_another_run_holds_is_one_line_naming_master_port(tmp_path, tiny_model):
+    """The ranks meet on the launcher's --master_port (default 29500): a second run on one machine found it
+    taken and printed 35 lines (DistNetworkError ... EADDRINUSE). Rank 0, as the launcher starts it, with
+    its port held by another process: one line naming --master_port, exit status 1."""
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("", 0))   # a port of this test's, held
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"}
+        p = subprocess.run([sys.executable, "grpo_train.py", "--model", tiny_model, "--out-dir", str(tmp_path)],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines, _ = said(p.stdout + p.stderr)
+    assert p.returncode == 1 and "Traceback" not in p.stderr and len(lines) == 1, p.stdout + p.stderr
+    assert re.fullmatch(rf"grpo_train.py: port {port} on 127.0.0.1, where the ranks meet, is taken \(another run "
+                        r"on this machine\?\): give this run another with the launcher's --master_port, e\.g\. "
+                        r"deepspeed --master_port \d+ \.\.\.", lines[0]), lines
