@@ -106,8 +106,9 @@ def add_system_args(p):
 
 
 def init_distributed(timeout_minutes, threads):
-    """-> (rank, world size). One GPU per rank; SIGTERM ends a rank as Ctrl-C does; `threads` torch threads,
-    since the CPU is shared with vLLM and the reference server."""
+    """-> (rank, world size). One GPU per rank; until the loop (checkpoints.StopAfterStep), SIGTERM ends a
+    rank and SIGINT is left to the launcher; `threads` torch threads, since the CPU is shared with vLLM and
+    the reference server. A taken --master_port is one line."""
     # without the launcher DeepSpeed looks for MPI instead, and fails on a missing mpi4py
     if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
         stop_with("start it through the deepspeed launcher, which starts its processes: deepspeed "
