@@ -351,12 +351,13 @@ def test_a_run_says_what_matters_and_its_out_dir_is_not_reused_by_mistake(tmp_pa
     assert not [line for line in console if "[INFO]" in line or "CUDA_VISIBLE_DEVICES" in line], console
     assert any("GRPO (token ratio, clip 0.2/0.2" in line for line in console), console
     assert all("| clip " in line for line in console if line.startswith("step "))
-    closing = re.fullmatch(rf"done: held-out accuracy .* \(step 0\) -> .* \(step 2\); steps 1-2 in (\d+) s; "
-                           rf"last checkpoint {out}/step_2", p.stdout.splitlines()[-1])
+    closing = re.fullmatch(rf"done: held-out accuracy .* \(step 0\) -> .* \(step 2\); steps 1-2 in "
+                           rf"(?:(\d+) min )?(\d+) s; last checkpoint {out}/step_2", p.stdout.splitlines()[-1])
     assert closing, p.stdout[-2000:]
     # the run's wall time, start-up included: from the launch to the end of the shut-down (not from the
     # metrics log's opening, which comes after ~15 s of start-up), less the launcher's own exit
-    assert wall - 8 <= int(closing.group(1)) <= wall + 1, (closing.group(0), wall)
+    took = 60 * int(closing.group(1) or 0) + int(closing.group(2))
+    assert wall - 8 <= took <= wall + 1, (closing.group(0), wall)
     # --wandb (offline here): the run's W&B files, with the steps logged
     (wandb_run,) = (out / "wandb").glob("offline-run-*")
     assert list(wandb_run.glob("run-*.wandb")) and any(line.startswith("wandb: ") for line in console)
