@@ -17,6 +17,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import transformers
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora import adapter_targets
@@ -121,6 +122,10 @@ def init_distributed(timeout_minutes, threads):
     # until the loop takes Ctrl-C (checkpoints.StopAfterStep), a rank and the processes it starts (the
     # engines, the reference server: they inherit it) ignore a terminal's SIGINT: the launcher stops them
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the launcher's default port on one node: a port of this launch's own, the same for each of its ranks
+    # (the children of one launch.py), so that two runs on one machine do not both take 29500
+    if os.environ["MASTER_PORT"] == str(TORCH_DISTRIBUTED_DEFAULT_PORT) and os.environ.get("CROSS_SIZE") == "1":
+        os.environ["MASTER_PORT"] = str(TORCH_DISTRIBUTED_DEFAULT_PORT + 1 + os.getppid() % 2000)
     try:
         deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
     except dist.DistNetworkError as e:

@@ -432,21 +432,33 @@ def checkout(tmp_path, demo_model):
     return root, env
 
 
-def test_the_documented_lines_as_written_own_data_eval_only_and_ctrl_c(tmp_path, demo_model):
-    """One test, the lines one after the other (each takes the launcher's default port, as written).
-    README's own-data example (demo/sums.yaml: --task custom on a file of 100 sums, --chat-template
-    none, the demo reward) trains as written: the file's default --eval-size holds out a fifth and says so,
-    the run saves its resolved config (which --config takes back to the same flags), writes its plot (titled
-    with its model and task) at each evaluation and at the end, tensorboard's events, and completions with
-    their gold answers and advantages. docs/checkpoints.md's --eval-only line then evaluates that
-    checkpoint on what it was trained on (the file's held-out fifth, --chat-template none; not --task demo),
-    names its step and data, and writes the result beside it. DeepSpeed's op came from the venv."""
+def test_the_documented_lines_as_written_two_at_once_eval_only_and_ctrl_c(tmp_path, demo_model):
+    """README's own-data example and its by-hand launch, as written, started at the same moment on one
+    machine, each with the launcher's default port: neither meets the other's ranks (each launch takes a
+    port of its own), so both run.
+    The own-data example (demo/sums.yaml: --task custom on a file of 100 sums, --chat-template none, the
+    demo reward): the file's default --eval-size holds out a fifth and says so; the run saves its resolved
+    config (which --config takes back to the same flags), its plot (at each evaluation and at the end),
+    tensorboard's events, and completions with their gold answers and advantages. The by-hand launch,
+    stopped by Ctrl-C after step 2 (stopped_by_ctrl_c). Then docs/checkpoints.md's --eval-only line
+    evaluates the own-data checkpoint on what it was trained on (the file's held-out fifth, --chat-template
+    none; not --task demo), names its step and data, and writes the result beside it. DeepSpeed's op came
+    from the venv every time (no build in the user's cache)."""
     root, env = checkout(tmp_path, demo_model)
-    p = subprocess.run(documented(*OWN_DATA), cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    log = open(tmp_path / "own_data.log", "w")
+    own_data = subprocess.Popen(documented(*OWN_DATA), cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        stopped_by_ctrl_c(root, env, tmp_path)
+        own_data.wait(timeout=600)
+    finally:
+        if own_data.poll() is None:
+            os.killpg(own_data.pid, signal.SIGKILL)
+    out = open(log.name).read()
+    assert own_data.returncode == 0, out[-5000:]
     run = root / "runs" / "sums"
     assert re.search(r"--data demo/sums.jsonl: 80 prompts to train on .*20 held out for evaluation \(no test "
-                     r"split: 20 of its rows \(--eval-size's default on a file of 100 prompts: a fifth\)", p.stdout)
+                     r"split: 20 of its rows \(--eval-size's default on a file of 100 prompts: a fifth\)", out)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 21)) and rows[-1]["eval/step"] == 20
     from grpo_train import get_args
@@ -458,7 +470,6 @@ def test_the_documented_lines_as_written_own_data_eval_only_and_ctrl_c(tmp_path,
     assert (run / "metrics.png").stat().st_size > 10_000 and list(run.glob("events.out.tfevents.*"))
     samples = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
     assert len(samples) == 20 * 4 and samples[0]["answer"] == str(eval(samples[0]["prompt"].rstrip("=")))
-    assert not (tmp_path / "cache" / "torch_extensions").exists()
 
     p = subprocess.run(documented(*EVAL_ONLY), cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
@@ -472,7 +483,7 @@ def test_the_documented_lines_as_written_own_data_eval_only_and_ctrl_c(tmp_path,
     outputs = [json.loads(line) for line in (run / "step_20" / "eval_completions.jsonl").read_text().splitlines()]
     held_out = [json.loads(line) for line in (run / "eval_completions.jsonl").read_text().splitlines()]
     assert sorted(r["prompt"] for r in outputs) == sorted(r["prompt"] for r in held_out if r["eval/step"] == 20)
-    stopped_by_ctrl_c(root, env, tmp_path)
+    assert not (tmp_path / "cache" / "torch_extensions").exists()
 
 
 def descendants(pid):
