@@ -528,6 +528,11 @@ def test_mistakes_of_the_config_file_and_the_logging_flags_are_one_line(tmp_path
                      chat_template="none")
     err = capsys.readouterr().err
     assert err == f"grpo_train.py: --data {tmp_path / 'empty.jsonl'}: no records (an empty file)\n", err
+    # the pins the refusals name are the ones the requirements files install
+    from run_config import PACKAGES
+    for name in ("requirements.txt", "requirements-cpu.txt"):
+        lines = open(os.path.join(ROOT, name)).read().splitlines()
+        assert all(pin in lines for _, pin in PACKAGES.values()), name
 
 
 def test_a_port_another_run_holds_is_one_line_naming_master_port(tmp_path, tiny_model):
