@@ -38,4 +38,7 @@ bwrap:
 # On a GPU machine, with requirements.txt installed in the active python: gpu_bench.py and 20 steps of the
 # GPU recipe's shape on a random Qwen2.5-0.5B-shaped model (docs/gpu.md, "The GPU check").
 gpu-check:
+	@command -v nvidia-smi >/dev/null || { echo "make gpu-check: no GPU here (no nvidia-smi): it is for a GPU" \
+		"machine; on this one, make test runs the tests, python bench/gpu_check.py --tiny the check's stages" \
+		"at tiny shapes" >&2; exit 1; }
 	python bench/gpu_check.py

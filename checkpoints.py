@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 
 import torch.distributed as dist
 from safetensors.torch import save_file
@@ -103,7 +104,8 @@ def read_state(master, *, out_dir, resume, overwrite=False, resume_with_changes=
     generation process starts from it while DeepSpeed sets up. An --out-dir that holds another run is
     refused unless --resume or --overwrite; a resume that would change the run is refused unless
     --resume-with-changes, and one with another --model or --lora-rank always: one line each."""
-    if master:
+    # --eval-only writes only its result (beside the checkpoint it evaluates): no run's folder to hold
+    if master and not eval_only:
         hold_out_dir(out_dir)
     config = {k: v for k, v in flags.items() if k not in FREE_ON_RESUME}
     state, latest = fresh_state(config), os.path.join(out_dir, "latest")
@@ -251,3 +253,57 @@ def prune_checkpoints(out_dir, step, keep, ref):
         path = os.path.abspath(os.path.join(out_dir, f"step_{n}"))
         if path != ref:
             remove(path)
+
+
+class StopNow(SystemExit):
+    """A second Ctrl-C: the run ends where it is (a checkpoint being written stays step_N.tmp, never latest)."""
+
+
+class StopAfterStep:
+    """Ctrl-C during the loop: the run finishes the step it is in, saves a checkpoint and prints the line
+    that continues it; a second Ctrl-C stops at once. deepspeed 0.19.8's launcher passes a Ctrl-C on as
+    SIGTERM to each rank and everything under it (launch.py, sigkill_handler: terminate_process_tree) and
+    kills what is left 30 s later; a terminal's Ctrl-C also reaches each process as SIGINT. So the first
+    SIGINT and the first SIGTERM each ask for the stop, and a second of either stops at once. The engines
+    ignore SIGINT (run_setup.init_distributed) but die of that SIGTERM: once stopping, rank 0 waits for
+    none of them (`wait`). Built on every rank before the loop (the launcher is alive then)."""
+
+    def __init__(self):
+        from run_config import launch_command
+        self.requested, self.seen, self.resume = False, set(), launch_command(resume=True)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        if signum in self.seen:
+            raise StopNow(128 + signum)
+        if not self.requested and dist.get_rank() == 0:
+            print("\nCtrl-C: the run stops after this step, with a checkpoint (Ctrl-C again: at once)",
+                  flush=True)
+        self.seen.add(signum)
+        self.requested = True
+
+    def wait(self, wait, *args, **kw):
+        """Rank 0's wait(*args, **kw) on the engines -> its value; None once a stop is asked for, before or
+        while it waits: the engines' and the launcher's ends it then meets are the stop, not errors."""
+        if self.requested:
+            return None
+        try:
+            value = wait(*args, **kw)
+        except (SystemExit, Exception) as e:
+            if isinstance(e, StopNow) or not self.requested:
+                raise
+            return None
+        return None if self.requested else value
+
+
+def save_on_stop(engine, tokenizer, out_dir, state, keep):
+    """All ranks, after a stop: a checkpoint of the last step taken, unless one was saved at it (`latest`
+    names it) or no step was taken."""
+    latest = os.path.join(out_dir, "latest")
+    saved = None
+    if os.path.exists(latest):
+        with open(latest) as f:
+            saved = f.read().strip()
+    if state["step"] and saved != f"step_{state['step']}":
+        save_checkpoint(engine, tokenizer, out_dir, state, keep=keep)

@@ -145,15 +145,19 @@ def check_probe(got, expected, last_got, last_expected, tol, version):
 
 def held_out_eval(llm, samples, max_new_tokens, spec):
     """Greedy completions of this engine's share of the held-out samples -> the sums of eval/accuracy (the
-    first reward of --rewards, unweighted) and eval/format (rewards.format_reward), and their count."""
+    first reward of --rewards, unweighted) and eval/format (rewards.format_reward), their count, and "rows":
+    each sample's prompt, gold answer, completion and verdicts (--log-completions writes them)."""
     from vllm import SamplingParams
     greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     prompts = [{"prompt_token_ids": s["prompt_ids"]} for s in samples]
     outs = llm.generate(prompts, greedy, use_tqdm=False) if samples else []
     texts = [o.outputs[0].text for o in outs]
     first = spec[:1]
-    return {"eval/accuracy": sum(score(t, s, first)[1][first[0][0]] for t, s in zip(texts, samples)),
-            "eval/format": sum(format_reward(t, s) for t, s in zip(texts, samples)), "n": len(samples)}
+    correct = [score(t, s, first)[1][first[0][0]] for t, s in zip(texts, samples)]
+    formats = [format_reward(t, s) for t, s in zip(texts, samples)]
+    rows = [{"prompt": s["prompt"], "answer": str(s["answer"]), "completion": t, "accuracy": c, "format": f}
+            for s, t, c, f in zip(samples, texts, correct, formats)]
+    return {"eval/accuracy": sum(correct), "eval/format": sum(formats), "n": len(samples), "rows": rows}
 
 
 def exit_if_orphaned(parent, who):
@@ -575,7 +579,8 @@ class GenerationProcess:
             n = max(1, sum(p["n"] for p in parts.values()))
             self.evals.append({"eval/accuracy": sum(p["eval/accuracy"] for p in parts.values()) / n,
                                "eval/format": sum(p["eval/format"] for p in parts.values()) / n,
-                               "eval/step": self.step_at[msg["version"]]})
+                               "eval/step": self.step_at[msg["version"]],
+                               "eval/rows": [row for i in sorted(parts) for row in parts[i]["rows"]]})
             self.evaluated = msg["version"]
             del self.eval_parts[msg["version"]]
 

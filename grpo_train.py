@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 
 import rewards
-from checkpoints import load_checkpoint, read_state, save_checkpoint
+from checkpoints import StopAfterStep, load_checkpoint, read_state, save_checkpoint, save_on_stop
 from generation import GenerationProcess
 from metrics import (Counters, MetricsLog, add_stats, loss_metrics, policy_stats, reduce_stats,
                      rollout_metrics, timed)
 from ref_client import ref_logps
 from run_setup import (add_system_args, broadcast_json, build_engine, check_config, collate,
                        init_distributed, load_policy, load_prompts, micro_batches, normaliser,
-                       shut_down)
+                       parse_flags, shut_down)
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="GRPO trainer; launch it with the deepspeed launcher")
@@ -72,9 +72,8 @@ def get_args(argv=None):
     g.add_argument("--overlong-buffer", type=int, default=0, help="DAPO overlong penalty span")
     g.add_argument("--max-gen-rounds", type=int, default=1, help="dynamic sampling rounds")
     g.add_argument("--ref-sync-every", type=int, default=0, help="reference reloads policy every K")
-    # system, evaluation, logging and checkpoint flags: with the code they steer
-    add_system_args(p)
-    return p.parse_args(argv)
+    # system, evaluation, logging and checkpoint flags: with the code they steer; --config's file
+    return parse_flags(add_system_args(p), argv)
 
 def advantages(scores, group_size, scale="group", std_floor=0.0):
     """Flat rewards of N groups -> advantages (N, G) and has_signal (N,) (choice 2)."""
@@ -167,7 +166,7 @@ def rollout(llm, next_prompts, n_prompts, args):
                               max_tokens=args.max_new_tokens, logprobs=0, detokenize=False)
     decode = partial(llm.get_tokenizer().decode, skip_special_tokens=True)
     spec, size = rewards.parse_reward_spec(args.rewards), n_prompts * args.group_size
-    kept, dropped, scored, rounds = [], [], [], 0
+    kept, dropped, scored, advs, rounds = [], [], [], [], 0
     # more rounds only with dynamic sampling, until groups with signal fill the batch
     while len(kept) < size and rounds < args.max_gen_rounds:
         rounds += 1
@@ -181,10 +180,11 @@ def rollout(llm, next_prompts, n_prompts, args):
         for (text, s, c), (total, parts, n_err) in scores:
             parts["overlong"] = rewards.overlong_penalty(
                 len(c.token_ids), args.max_new_tokens, args.overlong_buffer)
-            scored.append((total + parts["overlong"], parts, n_err, c, s["prompt"], text))
+            scored.append((total + parts["overlong"], parts, n_err, c, s, text))
         # advantages within each group; filter: groups with equal rewards are dropped
         adv, signal = advantages([x[0] for x in scored[-size:]], args.group_size,
                                  args.scale_rewards, args.std_floor)
+        advs += adv.flatten().tolist()
         for o, group_adv, has_signal in zip(outs, adv.tolist(), signal):
             for c, a in zip(o.outputs, group_adv):
                 old = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
@@ -192,7 +192,7 @@ def rollout(llm, next_prompts, n_prompts, args):
                        "old": old, "truncated": c.finish_reason == "length"}
                 (kept if has_signal else dropped).append(seq)
     fill = [(len(s["completion"]), s["truncated"]) for s in dropped[:max(0, size - len(kept))]]
-    metrics = rollout_metrics(scored, rounds, len(kept), len(dropped), args)
+    metrics = rollout_metrics(scored, advs, rounds, len(kept), len(dropped), args)
     return {"seqs": kept[:size], "fill": fill, "metrics": metrics}
 
 def reference(seqs, args):
@@ -248,14 +248,18 @@ def main(args):
     if master_process:
         gen.push_weights(engine, completion_logps, evaluate=state["step"] == 0, step=state["step"])
         if args.eval_only:
-            log.write_eval(args.model, args.task, len(eval_set), gen.wait_eval())
+            log.write_eval(len(eval_set), gen.wait_eval())
     last = state["step"] if args.eval_only else args.steps
+    stop = StopAfterStep()
     for step in range(state["step"] + 1, last + 1):
-        # --- batch: rank 0 takes the generation process's next one; every rank gets it
+        # --- batch: rank 0 takes the generation process's next one (none after Ctrl-C); all get it
         times = {}
         with timed(times, "time/wait_s"):
-            batch = master_process and gen.next_batch(engine.global_steps)
+            batch = master_process and stop.wait(gen.next_batch, engine.global_steps)
             batch = broadcast_json(batch, engine.device)
+        if batch is None:
+            save_on_stop(engine, tok, args.out_dir, state, args.keep_checkpoints)
+            break
         mine = batch["seqs"][rank::world]
 
         # --- loss and step
@@ -271,25 +275,26 @@ def main(args):
         with timed(times, "time/sync_s"):
             evaluate = step == last or bool(args.eval_every and step % args.eval_every == 0)
             if master_process and (step % args.sync_every == 0 or step == last):
-                gen.push_weights(engine, completion_logps, evaluate=evaluate, step=step)
+                stop.wait(gen.push_weights, engine, completion_logps, evaluate=evaluate, step=step)
 
         # --- log
         if master_process:
-            evals = gen.wait_eval() if step == last else gen.take_evals()
+            evals = stop.wait(gen.wait_eval if step == last else gen.take_evals) or {}
             log.write({"step": step, **batch["metrics"], **loss_metrics(sums, args.num_iterations),
                        "grad_norm": grad_norms[-1], **counters.saved, "data/too_long": too_long,
                        **times, **evals})
 
         # --- checkpoint; with --ref-sync-every the reference servers reload it (rule: rollout)
+        state.update(step=step, data_pos=batch["pos"])
         refresh = args.ref_sync_every and step % args.ref_sync_every == 0
         if step == last or refresh or (args.save_every and step % args.save_every == 0):
-            state.update(step=step, data_pos=batch["pos"])
             save_checkpoint(engine, tok, args.out_dir, state, keep=args.keep_checkpoints,
                             new_reference=refresh)
         if refresh and master_process:
             gen.reload_reference(state["ref"], step)
-
     shut_down(gen if master_process else None)
+    if master_process:
+        log.close(state["step"], stop.resume if stop.requested else None)
 
 if __name__ == "__main__":
     main(get_args())

@@ -1,22 +1,26 @@
 """The metrics of a GRPO run: what each step logs (docs/metrics.md lists every key), how the ranks' sums
 are combined, the run's counters, and the metrics file. grpo_train.py uses it; read that first."""
+import contextlib
 import json
 import math
 import os
+import sys
 import time
 from contextlib import contextmanager
 from statistics import fmean as mean
 
+import psutil
 import torch
 import torch.distributed as dist
 
 
-def rollout_metrics(scored, rounds, n_kept, n_dropped, args):
+def rollout_metrics(scored, advantages, rounds, n_kept, n_dropped, args):
     """A batch's reward/*, completion_len/*, frac_zero_std, gen/rounds, gen/samples, batch/groups, and
-    "samples": max(2, --log-completions) of its (prompt, completion, reward) rows, spread over its groups
-    (MetricsLog writes them to completions.jsonl, and NoSignalWatch shows two). scored: (total reward,
-    {reward name: value}, reward errors, vLLM completion, prompt text, completion text) of every sample."""
-    totals, parts, errors, completions, prompts, texts = zip(*scored)
+    "samples": max(2, --log-completions) of its rows (prompt, gold answer, completion, total reward, each
+    reward, advantage), spread over its groups (MetricsLog writes them to completions.jsonl, and
+    NoSignalWatch shows two). scored: (total reward, {reward name: value}, reward errors, vLLM completion,
+    sample, completion text) of every sample; advantages: each one's, in the same order."""
+    totals, parts, errors, completions, samples, texts = zip(*scored)
     group_size, n_samples = args.group_size, max(2, args.log_completions)
     picked = range(0, len(scored), max(1, len(scored) // n_samples))[:n_samples]
     metrics = {f"reward/{name}": mean([p[name] for p in parts]) for name in parts[0]}
@@ -26,7 +30,8 @@ def rollout_metrics(scored, rounds, n_kept, n_dropped, args):
         "completion_len/truncated": mean([c.finish_reason == "length" for c in completions]),
         "frac_zero_std": n_dropped / (n_kept + n_dropped), "gen/rounds": rounds, "gen/samples": len(scored),
         "batch/groups": min(n_kept, len(completions) // rounds) // group_size,
-        "samples": [{"prompt": prompts[i], "completion": texts[i], "reward": totals[i]} for i in picked]})
+        "samples": [{"prompt": samples[i]["prompt"], "answer": str(samples[i]["answer"]), "completion": texts[i],
+                     "reward": totals[i], "rewards": parts[i], "advantage": advantages[i]} for i in picked]})
     return metrics
 
 
@@ -184,27 +189,104 @@ def describe_template(model, task, chat_template):
     return f"{model}'s chat template" if has_template else None
 
 
-class MetricsLog:
-    """metrics.jsonl (one JSON object per step, with time/elapsed_s), tensorboard if asked, a progress
-    line per step (with NoSignalWatch's warning), completions.jsonl (--log-completions), and at the last
-    step the run's summary line. On resume the file keeps the steps up to the checkpoint, so it stays one
-    line per step. With --eval-only it writes eval.json instead."""
+def launch_time():
+    """When the run was launched: the deepspeed launcher's start (it runs launch.py, which runs this rank),
+    else this process's. The closing line's time counts from it, start-up included."""
+    from run_config import launcher
+    with contextlib.suppress(AttributeError, psutil.Error):
+        return launcher().create_time()
+    return psutil.Process().create_time()
 
-    def __init__(self, resume_step, *, out_dir, steps, tensorboard=False, eval_only=False, log_completions=0,
-                 model=None, task="demo", chat_template="none", **_):
-        self.out_dir, self.t_start, self.file, self.tb = out_dir, time.time(), None, None
-        self.steps, self.log_completions, self.first_step = steps, log_completions, resume_step + 1
+
+def clock(seconds):
+    """Seconds as a clock, tqdm's way: 05:07, or 1:02:03 from an hour."""
+    minutes, s = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{s:02d}" if minutes >= 60 else f"{minutes:02d}:{s:02d}"
+
+
+class Progress:
+    """Where a run is and when it will end, tqdm's format: `step   12/100 [00:35<02:10, 1.33 s/step]`
+    (elapsed since the launch < remaining, from the mean step of this launch after its first). A line is
+    kept every `every` steps (0: every step up to 100 steps, else about 100 lines a run), at this launch's
+    first and the last step, and when asked; between them a terminal rewrites one line in place, and a
+    file (not a terminal) gets nothing, so that a log is not flooded."""
+
+    def __init__(self, first, last, every=0, stream=None, started=None):
+        self.first, self.last, self.stream = first, last, stream or sys.stdout
+        self.every = every or max(1, math.ceil(last / 100))
+        self.started = time.time() if started is None else started
+        self.t_first, self.open_line = None, False
+
+    def prefix(self, step, now=None):
+        now = time.time() if now is None else now
+        if step == self.first or self.t_first is None:
+            self.t_first, rate = now, None
+        else:
+            rate = (now - self.t_first) / (step - self.first)
+        eta = "?" if rate is None else clock(rate * (self.last - step))
+        speed = "?" if rate is None else f"{rate:.2f}"
+        return f"step {step:4d}/{self.last} [{clock(now - self.started)}<{eta}, {speed} s/step]"
+
+    def show(self, step, text, keep=False):
+        keep = keep or step in (self.first, self.last) or step % self.every == 0
+        tty = self.stream.isatty()
+        if not (keep or tty):
+            return
+        # a terminal's in-place line: back to its start, cleared
+        back = "\r\x1b[K" if tty and self.open_line else ""
+        self.stream.write(back + text + ("\n" if keep else ""))
+        self.stream.flush()
+        self.open_line = not keep
+
+    def say(self, text):
+        """A line of its own (a warning, the end), below the line being rewritten, if any."""
+        print(("\n" if self.open_line else "") + text, file=self.stream, flush=True)
+        self.open_line = False
+
+
+def numbers(log):
+    """The metrics a chart can plot (tensorboard, W&B): numbers, without the None of a missing one."""
+    return {k: v for k, v in log.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class MetricsLog:
+    """What rank 0 writes as a run goes: metrics.jsonl (one JSON object per step, with time/elapsed_s), the
+    resolved flags (config.yaml, which --config repeats), the progress line (Progress, with NoSignalWatch's
+    warning), the plot metrics.png (plot.py) at each evaluation and at the end, tensorboard and W&B if asked,
+    completions.jsonl and eval_completions.jsonl (--log-completions), and the closing line. On resume the
+    metrics file keeps the steps up to the checkpoint, so it stays one line per step. With --eval-only it
+    writes eval.json instead, beside the checkpoint it evaluates (run_config.evaluate_as_trained)."""
+
+    def __init__(self, resume_step, *, out_dir, steps, tensorboard=False, wandb=False, eval_only=False,
+                 log_completions=0, log_completions_every=1, log_every=0, model=None, task="demo",
+                 chat_template="none", **flags):
+        self.out_dir, self.t_start, self.file, self.tb, self.wandb = out_dir, time.time(), None, None, None
+        self.steps, self.first_step, self.model, self.task = steps, resume_step + 1, model, task
+        self.log_completions, self.completions_every = log_completions, log_completions_every
+        self.flags, self.plot_failed = flags, False
+        self.progress = Progress(self.first_step, steps, log_every, started=launch_time())
         self.no_signal = NoSignalWatch(template=lambda: describe_template(model, task, chat_template))
         # (eval/step, eval/accuracy) of the run, the resumed part's included: the summary's before -> after
         self.evals = []
-        os.makedirs(out_dir, exist_ok=True)
         if eval_only:
             return
+        os.makedirs(out_dir, exist_ok=True)
         # metrics.jsonl is rewritten at the first row (open): after the checkpoint has loaded
         self.resume_step = resume_step
+        resolved = {"model": model, "task": task, "chat_template": chat_template, "out_dir": out_dir, "steps":
+                    steps, "tensorboard": tensorboard, "wandb": wandb, "log_completions": log_completions,
+                    "log_completions_every": log_completions_every, "log_every": log_every, **flags}
+        self.save_config(resolved)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(out_dir)
+        if wandb:
+            import wandb as wandb_module
+            self.wandb = wandb_module.init(
+                project=os.environ.get("WANDB_PROJECT", "minimal-grpo"), name=os.path.basename(
+                    os.path.abspath(out_dir)), dir=out_dir, config=resolved, settings=wandb_module.Settings(
+                    quiet=True))
+            print(f"wandb: {self.wandb.url or self.wandb.dir}", flush=True)
 
     def open(self):
         """metrics.jsonl, at the first row: on resume, the rows up to the checkpoint kept."""
@@ -225,51 +307,94 @@ class MetricsLog:
         os.replace(path + ".tmp", path)
         self.file = open(path, "a")
 
+    def save_config(self, flags):
+        """config.yaml: every flag of the run as resolved (command line over --config over the defaults), in
+        --config's format, less what a config file does not set (run_config.NOT_IN_CONFIG)."""
+        import yaml
+        from run_config import NOT_IN_CONFIG
+        kept = {k: v for k, v in sorted(flags.items()) if k not in NOT_IN_CONFIG}
+        with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(kept, f, sort_keys=False)
+
     def write(self, log):
         if self.file is None:
             self.open()
-        samples = log.pop("samples", [])
+        samples, outputs = log.pop("samples", []), log.pop("eval/rows", None)
         log["time/elapsed_s"] = time.time() - self.t_start
         self.file.write(json.dumps(log) + "\n")
         self.file.flush()
+        step = log["step"]
         if self.tb:
-            for k, v in log.items():
-                self.tb.add_scalar(k, v, log["step"])
+            for k, v in numbers(log).items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb:
+            self.wandb.log(numbers(log), step=step)
         # an evaluation arrives a step or so after the push it scores: its own step says which weights
         evals = f" | eval {log['eval/accuracy']:.3f} (step {log['eval/step']})" if "eval/step" in log else ""
         clipped = log.get("clip/low", 0) + log.get("clip/high", 0)
-        print(f"step {log['step']:4d} | reward {log['reward/mean']:.3f} | loss {log['loss']:+.4f} | "
-              f"kl {log['kl']:.4f} | clip {clipped:.2f} | entropy {log['entropy']:.3f} | "
-              f"len {log['completion_len/mean']:.1f} | zero-std {log['frac_zero_std']:.2f}{evals}", flush=True)
-        if warning := self.no_signal.check(log, samples):
-            print(warning, flush=True)
-        if log["step"] == 1 and (warning := first_step_check(log)):
-            print(warning, flush=True)
+        warnings = [w for w in (self.no_signal.check(log, samples), step == 1 and first_step_check(log)) if w]
+        self.progress.show(step, f"{self.progress.prefix(step)} | reward {log['reward/mean']:.3f} | loss "
+                           f"{log['loss']:+.4f} | kl {log['kl']:.4f} | clip {clipped:.2f} | entropy "
+                           f"{log['entropy']:.3f} | len {log['completion_len/mean']:.1f} | zero-std "
+                           f"{log['frac_zero_std']:.2f}{evals}", keep=bool(evals or warnings))
+        for warning in warnings:
+            self.progress.say(warning)
+        if self.log_completions and step % self.completions_every == 0:
+            self.write_rows("completions.jsonl", {"step": step}, samples[:self.log_completions])
         if "eval/step" in log:
             self.evals.append((log["eval/step"], log["eval/accuracy"]))
-            if self.log_completions:
-                self.write_completions(log["step"], samples[:self.log_completions])
-        if log["step"] == self.steps:
-            print(self.summary(log["step"]), flush=True)
+            if self.log_completions and outputs:
+                self.write_rows("eval_completions.jsonl", {"eval/step": log["eval/step"]}, outputs)
+            self.plot()
 
-    def write_completions(self, step, samples):
-        """--log-completions: this step's sampled rows, one JSON object each, to completions.jsonl."""
-        with open(os.path.join(self.out_dir, "completions.jsonl"), "a") as f:
-            f.writelines(json.dumps({"step": step, **row}) + "\n" for row in samples)
+    def write_rows(self, name, head, rows, folder=None, mode="a"):
+        """Rows (completions with what scored them), one JSON object each, appended to `name`."""
+        with open(os.path.join(folder or self.out_dir, name), mode) as f:
+            f.writelines(json.dumps({**head, **row}, default=str) + "\n" for row in rows)
 
-    def summary(self, step):
-        """The run's last line: held-out accuracy before -> after, the steps, the wall time, and the last
-        checkpoint (the one this step is about to save)."""
-        wall = time.time() - self.t_start
+    def plot(self):
+        """metrics.png (plot.py), titled with the run's model and task; without matplotlib, one line once."""
+        data = self.flags.get("data")
+        title = f"GRPO: {self.model} on --task {self.task}" + (f" --data {data}" if data else "")
+        try:
+            from plot import plot_metrics
+            plot_metrics(self.file.name, os.path.join(self.out_dir, "metrics.png"), title)
+        except ImportError as e:
+            if not self.plot_failed:
+                self.progress.say(f"no plot: {e.name} is not installed (pip install -r requirements.txt)")
+            self.plot_failed = True
+
+    def close(self, step, resume=None):
+        """The end of a run (resume: the line that continues a stopped one): the plot, tensorboard's and
+        W&B's files closed, and the closing line: held-out accuracy before -> after, the steps, the wall
+        time since the launch, the last checkpoint."""
+        if self.file is None:
+            return
+        self.plot()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+        wall = time.time() - self.progress.started
         took = f"{int(wall // 60)} min {wall % 60:.0f} s" if wall >= 60 else f"{wall:.0f} s"
-        accuracy = (f"held-out accuracy {self.evals[0][1]:.3f} (step {self.evals[0][0]}) -> "
-                    f"{self.evals[-1][1]:.3f} (step {self.evals[-1][0]})" if self.evals else "no evaluation")
-        return (f"done: {accuracy}; steps {self.first_step}-{step} in {took}; last checkpoint "
-                f"{os.path.join(self.out_dir, f'step_{step}')}")
+        accuracy = " -> ".join(f"{a:.3f} (step {s})" for s, a in self.evals[:1] + self.evals[1:][-1:])
+        accuracy = f"held-out accuracy {accuracy}" if self.evals else "no evaluation"
+        checkpoint = os.path.join(self.out_dir, f"step_{step}") if step else "none"
+        ran = f"steps {self.first_step}-{step}" if step >= self.first_step else "no step"
+        end = f"stopped after step {step} of {self.steps} (Ctrl-C)" if resume else "done"
+        self.progress.say(f"{end}: {accuracy}; {ran} in {took}; last checkpoint {checkpoint}"
+                          + (f"; to continue:\n{resume}" if resume else ""))
 
-    def write_eval(self, model, task, n, evals):
-        """--eval-only: the result, as one JSON line on stdout and in out_dir/eval.json."""
-        result = {"model": model, "task": task, "eval/size": n, **evals}
-        with open(os.path.join(self.out_dir, "eval.json"), "w") as f:
+    def write_eval(self, n, evals):
+        """--eval-only: the result, as one JSON line on stdout and in eval.json (with the held-out outputs
+        in eval_completions.jsonl) beside the checkpoint evaluated (or in --out-dir)."""
+        folder = self.flags.get("eval_dir") or self.out_dir
+        outputs = evals.pop("eval/rows", [])
+        evals.pop("eval/step", None)
+        result = {"model": self.model, "step": self.flags.get("eval_step"), "task": self.task,
+                  "data": self.flags.get("data"), "eval/size": n, **evals}
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "eval.json"), "w") as f:
             json.dump(result, f)
+        self.write_rows("eval_completions.jsonl", {}, outputs, folder, mode="w")
         print(json.dumps(result), flush=True)

@@ -17,11 +17,15 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import transformers
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora import adapter_targets
-from placement import SHARED_GEN_MEM, first_rank, master_store, reference_device, stop_with, training_gpus
+from placement import (SHARED_GEN_MEM, first_rank, free_port, master_store, reference_device, stop_with,
+                       training_gpus)
 from rewards import parse_reward_spec
+# grpo_train.get_args parses its flags with run_config.parse_flags (--config, one-line checks)
+from run_config import DEFAULT_EVAL_SIZE, add_run_args, parse_flags  # noqa: F401
 from ref_client import server_urls, url_error
 from ref_server import default_dtype, missing_folder
 from tasks import DataError, drop_long_prompts, load_task
@@ -51,7 +55,7 @@ def at_least_one(text):
 
 def add_system_args(p):
     """The flags that steer the machinery rather than the algorithm (grpo_train.py has those); and a bad
-    flag's error in one line (argparse prints its whole usage first: 50 lines here)."""
+    flag's error in one line (argparse prints its whole usage first: 50 lines here). -> p"""
     p.error = lambda message: stop_with(f"{message} (--help lists the flags)")
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     g = p.add_argument_group("data and memory")
@@ -97,37 +101,42 @@ def add_system_args(p):
                    help="torch threads of each training rank and of the generation process (CPU)")
     g.add_argument("--dist-timeout", type=float, default=60,
                    help="minutes a collective may wait (rank 0 waits for vLLM's start and evaluations)")
-    g = p.add_argument_group("evaluation, logging and checkpoints")
-    g.add_argument("--eval-every", type=int, default=0, help="held-out eval every N steps (and first, last)")
-    g.add_argument("--eval-size", type=int, default=200,
-                   help="held-out samples per evaluation (held out of --data when it has no test split)")
-    g.add_argument("--eval-only", action="store_true", help="evaluate --model on the held-out split and exit")
-    g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
-    g.add_argument("--keep-checkpoints", type=int, default=2,
-                   help="checkpoints kept on disk, newest first (0: all); the reference's is kept too")
-    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
-    g.add_argument("--resume-with-changes", action="store_true",
-                   help="--resume even where flags that change the run differ from the checkpoint's")
-    g.add_argument("--overwrite", action="store_true",
-                   help="start afresh in an --out-dir that holds another run (its checkpoints are deleted)")
-    g.add_argument("--log-completions", type=int, default=0,
-                   help="sampled (prompt, completion, reward) rows written per evaluation to completions.jsonl")
-    g.add_argument("--tensorboard", action="store_true", help="also log to tensorboard in --out-dir")
+    # evaluation, logging, checkpoints and --config: with the code that reads them
+    add_run_args(p)
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    return p
 
 
 def init_distributed(timeout_minutes, threads):
-    """-> (rank, world size). One GPU per rank; SIGTERM ends a rank as Ctrl-C does; `threads` torch threads,
-    since the CPU is shared with vLLM and the reference server."""
+    """-> (rank, world size). One GPU per rank; until the loop (checkpoints.StopAfterStep), SIGTERM ends a
+    rank and SIGINT is left to the launcher; `threads` torch threads, since the CPU is shared with vLLM and
+    the reference server. A taken --master_port is one line."""
     # without the launcher DeepSpeed looks for MPI instead, and fails on a missing mpi4py
     if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
         stop_with("start it through the deepspeed launcher, which starts its processes: deepspeed "
                   "--num_gpus 1 grpo_train.py --model ... (docs: README.md)")
     if torch.cuda.is_available():   # before any collective
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    # DeepSpeed builds its CPU op where TORCH_EXTENSIONS_DIR says, else in ~/.cache: a launch by hand from the
+    # venv then rebuilt what `make` had built in the venv (~90 s); the venv's folder, as the Makefile's
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    # until the loop takes Ctrl-C (checkpoints.StopAfterStep), a rank and the processes it starts (the
+    # engines, the reference server: they inherit it) ignore a terminal's SIGINT: the launcher stops them
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the launcher's default port on one node: a port of this launch's own, the same for each of its ranks
+    # (the children of one launch.py), so that two runs on one machine do not both take 29500
+    if os.environ["MASTER_PORT"] == str(TORCH_DISTRIBUTED_DEFAULT_PORT) and os.environ.get("CROSS_SIZE") == "1":
+        os.environ["MASTER_PORT"] = str(TORCH_DISTRIBUTED_DEFAULT_PORT + 1 + os.getppid() % 2000)
     # rank 0's rendezvous listens on MASTER_ADDR alone, not on every interface as torch's own would
     rendezvous = master_store(datetime.timedelta(minutes=timeout_minutes))
-    deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
+    try:
+        deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        stop_with(f"port {os.environ['MASTER_PORT']} on {os.environ['MASTER_ADDR']}, where the ranks meet, is "
+                  f"taken (another run on this machine?): give this run another with the launcher's "
+                  f"--master_port, e.g. deepspeed --master_port {free_port()} ...")
     del rendezvous
     unlink_shm_buffer()
     # raising on SIGTERM runs exit handlers, which stop the generation process
@@ -331,6 +340,9 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
         rows = {}
         for s in train_all:
             rows.setdefault(s["prompt"], []).append(s)
+        # the default takes what a small file can give: a fifth of its prompts
+        fifth = eval_size == DEFAULT_EVAL_SIZE and 2 <= len(rows) < 5 * eval_size
+        eval_size = max(1, len(rows) // 5) if fifth else eval_size
         if len(rows) <= eval_size:
             stop_with(f"{source} has no test split and {len(rows)} distinct prompts: --eval-size {eval_size} "
                       f"held out of them would leave none to train on (pass a smaller --eval-size)")
@@ -340,8 +352,9 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
         held_out = {s["prompt"] for s in test}
         repeats, train_all = len(train_all) - len(rows), [s for s in train_all if s["prompt"] not in held_out]
         folded = f"; split by prompt: {repeats} rows repeating a prompt folded into it" if repeats else ""
-        note = (f" (no test split: {eval_size} of its rows, a shuffle seeded {HOLD_OUT_SEED}, held out and "
-                f"never trained on{folded})")
+        fifth = f" (--eval-size's default on a file of {len(rows)} prompts: a fifth)" if fifth else ""
+        note = (f" (no test split: {eval_size} of its rows{fifth}, a shuffle seeded {HOLD_OUT_SEED}, held out "
+                f"and never trained on{folded})")
     train_set, too_long = drop_long_prompts(train_all, tok, max_prompt_len)
     eval_set = drop_long_prompts(test, tok, max_prompt_len)[0][:eval_size]
     if not train_set:

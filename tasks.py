@@ -133,9 +133,15 @@ def read_records(path: str) -> list[tuple[str, dict]]:
 
 
 def local_records(data: str, split: str) -> list[tuple[str, dict]] | None:
-    """read_records of the file of `split` that --data names; None for a test split it does not have."""
+    """read_records of the file of `split` that --data names (one without records is a DataError); None for a
+    test split it does not have."""
     path = data_file(data, split)
-    return None if path is None else read_records(path)
+    if path is None:
+        return None
+    if not (records := read_records(path)):
+        where = "" if path == data else f" in {path}"
+        raise DataError(f"--data {data}: no records{where} (an empty file)")
+    return records
 
 
 def gsm8k_samples(split: str, data: str | None, tokenizer, chat_template: str) -> list[dict] | None:

@@ -169,6 +169,11 @@ def main():
     p.add_argument("--steps", type=int, help="GRPO steps (default: 20; --tiny: 3)")
     a = p.parse_args()
     import torch
+    # on a machine without a GPU: one line, not minutes of a 0.5B model on the CPU
+    if not a.tiny and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no GPU here (torch sees none): this check is for a GPU machine; on a CPU "
+                         "machine, python bench/gpu_check.py --tiny runs its stages at tiny shapes, and make "
+                         "test runs the tests")
     gpus = torch.cuda.device_count()
     s, config = (dict(TINY), "tiny") if a.tiny else (dict(RECIPE), a.shape)
     s["steps"] = a.steps or s["steps"]

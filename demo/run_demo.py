@@ -3,7 +3,7 @@
 1. build a tiny Qwen2 model locally and warm-start it on the demo task (format right, answers mostly wrong),
 2. (with --ref-servers 2+: start them on loopback and, at the same time) 3. run grpo_train.py through the
 deepspeed launcher, one launch: rank 0 starts the reference server and the vLLM generation process,
-4. print held-out accuracy before -> after and plot the metrics.
+4. print held-out accuracy before -> after (the trainer plots the metrics as it goes).
 
     python -m demo.run_demo [--steps N] [--world-size 2] [-- extra grpo_train.py flags]
 """
@@ -101,11 +101,9 @@ def main(argv=None):
             server.terminate()
             server.wait(timeout=30)
 
-    # 4. before -> after, and the plot
+    # 4. before -> after, and the plot the trainer drew
     with open(os.path.join(out, "metrics.jsonl")) as f:
         evals = [r["eval/accuracy"] for r in map(json.loads, f) if "eval/accuracy" in r]
-    from demo.plot import plot_metrics
-    plot_metrics(os.path.join(out, "metrics.jsonl"), os.path.join(out, "metrics.png"))
     print(f"plot: {os.path.join(out, 'metrics.png')}; wall time {time.time() - t_start:.0f} s")
     print(f"held-out accuracy: {100 * evals[0]:.1f}% -> {100 * evals[-1]:.1f}%")
 

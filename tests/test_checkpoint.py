@@ -207,8 +207,8 @@ def test_a_resume_that_changes_the_run_says_which_flags_and_needs_consent(tmp_pa
 
 
 def test_the_summary_line_and_completions_file(tmp_path, capsys):
-    """The last step prints one line: held-out accuracy before -> after, the steps, the wall time and the
-    last checkpoint; --log-completions 3 writes 3 sampled rows at each step that carries an evaluation."""
+    """The end of the run prints one line: held-out accuracy before -> after, the steps, the wall time and
+    the last checkpoint; --log-completions 3 writes 3 sampled rows at each step."""
     from metrics import MetricsLog
     log = MetricsLog(0, **{**flags("--steps", "2", "--log-completions", "3"), "out_dir": str(tmp_path)})
     samples = [{"prompt": f"{i}+1=", "completion": "<answer>2</answer>", "reward": 0.5} for i in range(4)]
@@ -216,6 +216,7 @@ def test_the_summary_line_and_completions_file(tmp_path, capsys):
            "frac_zero_std": 0.5, "clip/low": 0.25, "clip/high": 0.5}
     log.write({"step": 1, **row, "eval/accuracy": 0.25, "eval/step": 0, "samples": samples})
     log.write({"step": 2, **row, "eval/accuracy": 0.75, "eval/step": 2, "samples": samples})
+    log.close(2)
     lines = capsys.readouterr().out.splitlines()
     assert "| clip 0.75 |" in lines[0]
     assert re.fullmatch(rf"done: held-out accuracy 0.250 \(step 0\) -> 0.750 \(step 2\); steps 1-2 in \d+ s; "

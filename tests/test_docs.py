@@ -127,6 +127,10 @@ def parse_job(words):
         path, argv, module = ROOT / args[0], args[1:], None
     if path.parent == ROOT / "tools" or not path.is_file() or "ArgumentParser" not in path.read_text():
         return None
+    if module == "demo.run_demo" and "--" in argv:   # the flags after `--` are grpo_train.py's
+        return {"script": str(ROOT / "grpo_train.py"), "module": None, "partial": True,
+                "argv": ["--model", "m", *argv[argv.index("--") + 1:]], "and": {
+                    "script": str(path), "module": module, "argv": argv[:argv.index("--")], "partial": partial}}
     return {"script": str(path), "module": module, "argv": argv, "partial": partial}
 
 
@@ -135,7 +139,10 @@ class _Parsed(Exception):
 
 
 def _check_flags(job):
-    """In the child: -> None if the job's flags parse, else what the parser said."""
+    """In the child: -> None if the job's flags parse (and those of the job it names "and"), else what the
+    parser said."""
+    if "and" in job:
+        return _check_flags(job["and"]) or _check_flags({k: v for k, v in job.items() if k != "and"})
     if "launcher" in job:
         from deepspeed.launcher.runner import parse_args as launcher_parse_args
         try:
@@ -203,7 +210,8 @@ def run_parse_jobs(jobs, tmp_path):
 COMMANDS = all_commands()
 # Two commands no parser may accept: the check must fail them, or it checks nothing.
 BROKEN = [["python", "grpo_train.py", "--model", "m", "--no-such-flag"],
-          ["deepspeed", "--num_gpus", "1", "grpo_train.py", "--model", "m", "--steps", "many"]]
+          ["deepspeed", "--num_gpus", "1", "grpo_train.py", "--model", "m", "--steps", "many"],
+          ["python", "-m", "demo.run_demo", "--steps", "3", "--", "--lora-rnak", "4"]]
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +268,7 @@ def test_the_commands_are_found():
 
 def test_a_broken_command_fails_the_check(parsed):
     # each refusal names what it refused: the unknown flag, the bad value
-    for words, named in zip(BROKEN, ["--no-such-flag", "'many'"]):
+    for words, named in zip(BROKEN, ["--no-such-flag", "'many'", "--lora-rnak"]):
         error, output = parsed[json.dumps(parse_job(words), sort_keys=True)]
         assert error and named in output, (words, error, output)
 
@@ -318,3 +326,72 @@ def test_the_documented_launch_learns_on_the_demo_model():
     assert words[1:3] == ["--log_level", "critical"], line
     args = grpo_train.get_args(words[words.index("grpo_train.py") + 1:])
     assert args.lr == float(TRAIN_FLAGS[TRAIN_FLAGS.index("--lr") + 1]) and args.task == "demo"
+
+
+def outline_blocks(text):
+    """The line numbers of the fenced blocks marked as an outline (their first line: `# outline: ...`)."""
+    lines = set()
+    for block in FENCE.finditer(text):
+        if block.group(2).lstrip().startswith("# outline"):
+            first = text.count("\n", 0, block.start(2)) + 1
+            lines |= set(range(first, first + block.group(2).count("\n") + 1))
+    return lines
+
+
+def test_every_launch_of_the_trainer_runs_as_written_or_is_an_outline():
+    """A documented line that starts the trainer either runs as written in a test (tests/test_e2e.py,
+    RUN_AS_WRITTEN: from a checkout with `make demo`'s model) or says it is an outline: `...` for the flags
+    left out, or a block whose first line is `# outline: ...` (it needs GPUs or the hub)."""
+    from test_e2e import RUN_AS_WRITTEN
+    run = {(page, start) for page, start in RUN_AS_WRITTEN}
+    left = []
+    for page in PAGES:
+        text, name = page.read_text(), str(page.relative_to(ROOT))
+        outlines = outline_blocks(text)
+        for line_no, line in [*fenced_commands(text), *inline_commands(text)]:
+            for words in simple_commands(line):
+                if "grpo_train.py" not in words or words[0] not in COMMAND_WORDS:
+                    continue
+                if "..." in words or line_no in outlines:
+                    continue
+                if not any(name == page and " ".join(words).startswith(start) for page, start in run):
+                    left.append(f"{name}:{line_no}: {' '.join(words)[:90]}")
+    assert not left, "\n".join(left)
+    # each line the tests run is in its page, once
+    for page, start in RUN_AS_WRITTEN:
+        text = (ROOT / page).read_text()
+        assert sum(line.startswith(start) for _, line in fenced_commands(text)) == 1, (page, start)
+
+
+def test_the_eight_gpu_layout_is_one_layout():
+    """README's 8-GPU line, docs/gpu.md's layout table and its launch line, the GPU recipe and
+    bench/gpu_check.py's layout all train on GPUs 2-7 with vLLM on GPU 0 and the reference on GPU 1."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_check import layout
+    assert layout(8) == (0, 1, [2, 3, 4, 5, 6, 7])
+    gpu = (ROOT / "docs" / "gpu.md").read_text()
+    assert "| 8 | GPUs 2-7 | GPU 0 | GPU 1 |" in gpu
+    launches = [words for page in (README, ROOT / "docs" / "gpu.md") for _, line in fenced_commands(page.read_text())
+                for words in simple_commands(line) if "localhost:2,3,4,5,6,7" in " ".join(words)
+                or "localhost:3,4,5,6,7" in " ".join(words)]
+    assert len(launches) == 3, launches   # README's, the layouts', the recipe's
+    for words in launches:
+        flags = dict(zip(words, words[1:]))
+        assert flags["--include"] == "localhost:2,3,4,5,6,7" and flags["--gen-device"] == "0", words
+        assert flags["--ref-device"] == "1" and "--gen-devices" not in flags, words
+    assert "nothing has run end to end on a GPU yet" in README.read_text()
+
+
+def test_make_gpu_check_on_a_machine_without_a_gpu_is_one_line():
+    """`make gpu-check` (README) on a CPU machine: one line saying there is no GPU and what to run instead,
+    at once, and a non-zero status; bench/gpu_check.py run straight says the same in one line."""
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has a GPU")
+    p = subprocess.run(["make", "gpu-check"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    said = [line for line in p.stderr.splitlines() if not line.startswith("make: ***")]
+    assert p.returncode != 0 and p.stdout == "" and len(said) == 1, p.stdout + p.stderr
+    assert said[0].startswith("make gpu-check: no GPU here") and "make test" in said[0]
+    p = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1 and p.stderr.startswith("gpu_check: no GPU here") and p.stderr.count("\n") == 1
+    assert "--tiny" in p.stderr

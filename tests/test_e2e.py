@@ -4,13 +4,16 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 import torch
 
-from conftest import next_port, no_allreduce_buffer_left
+from conftest import next_port, no_allreduce_buffer_left, running
 from metrics import FIRST_STEP_KL
 from test_metrics import WARNING
 
@@ -76,8 +79,8 @@ def test_short_run_on_two_ranks_two_engines_and_two_reference_servers(tmp_path, 
     # the console: one line per step, at column 0 (no progress bar before it); no false "Failed to load
     # weights"; and few other lines: with the warm start's 7 and 60 steps, the full demo stays within 150 lines
     console = (p.stdout + p.stderr).splitlines()
-    step_lines = [line for line in console if re.search(r"step +\d+ \|", line)]
-    assert [line.split("|")[0] for line in step_lines] == [f"step {s:4d} " for s in range(1, steps + 1)]
+    step_lines = [line for line in console if re.match(r"step +\d+/\d+ \[", line)]
+    assert [line.split(" [")[0] for line in step_lines] == [f"step {s:4d}/{steps}" for s in range(1, steps + 1)]
     assert not [line for line in console if "Failed to load weights" in line]
     assert len(console) - steps <= 150 - 60 - 7, "\n".join(console)
     ckpt = tmp_path / f"step_{steps}"
@@ -93,8 +96,7 @@ def one_step_flags(out_dir, model, micro_batch):
     """One GRPO step with --beta 0 (no reference server needed)."""
     return ["grpo_train.py", "--model", model, "--out-dir", str(out_dir), "--steps", "1", "--beta", "0",
             "--lr", "1e-3", "--prompts-per-step", "8", "--group-size", "4", "--max-new-tokens", "12",
-            "--max-prompt-len", "16", "--micro-batch", str(micro_batch), "--eval-size", "20",
-            "--ref-url", "http://127.0.0.1:9"]
+            "--max-prompt-len", "16", "--micro-batch", str(micro_batch), "--eval-size", "20"]
 
 
 def step_result(out_dir):
@@ -275,14 +277,16 @@ def test_lora_with_gspo_learns_pushes_merged_weights_resumes_and_evaluates(tmp_p
     assert rows[-1]["step"] == 11 and rows[-1]["sync/logp_diff"] < 1e-3
     assert rows[-1]["eval/accuracy"] >= evals[0] + 0.30, rows[-1]
     # a LoRA step folder evaluates as any model: --eval-only scores step 11 as the run's last evaluation did
+    # (its run's lengths, --max-new-tokens 12 --max-prompt-len 16, come from the run's config.yaml)
     cmd = [DEEPSPEED, "--num_gpus", "1", "--master_port", str(next_port()), "grpo_train.py", "--model",
-           str(tmp_path / "step_11"), "--out-dir", str(tmp_path / "eval"), "--eval-only", "--max-new-tokens",
-           "12", "--max-prompt-len", "16", "--ref-url", "http://127.0.0.1:9"]
+           str(tmp_path / "step_11"), "--out-dir", str(tmp_path / "eval"), "--eval-only"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    assert "is step 11 of a run; evaluating it as that run did: --max-new-tokens 12 --max-prompt-len 16" in p.stdout
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert result["eval/size"] == 90 and result["eval/accuracy"] == pytest.approx(rows[-1]["eval/accuracy"],
                                                                                    abs=0.02), result
+    assert result["step"] == 11 and result["task"] == "demo"
     assert result["eval/format"] == 0.0   # the demo answers without <think>: the strict format reward says 0
     assert json.dumps(result) in p.stdout and not (tmp_path / "eval" / "metrics.jsonl").exists()
     # no training lines: no trainable parameters, no prompts to train on, no training ranks
@@ -333,9 +337,11 @@ def test_a_run_says_what_matters_and_its_out_dir_is_not_reused_by_mistake(tmp_pa
     base = [DEEPSPEED, "--log_level", "critical", "--num_gpus", "1", "--master_port", str(next_port()),
             *one_step_flags(out, demo_model, 64), "--steps", "2", "--log-completions", "3",
             "--beta", "0.04", "--ref-url", url]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline"}
     try:
-        p = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        t0 = time.time()
+        p = subprocess.run(base + ["--wandb"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        wall = time.time() - t0
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
         again = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     finally:
@@ -345,8 +351,16 @@ def test_a_run_says_what_matters_and_its_out_dir_is_not_reused_by_mistake(tmp_pa
     assert not [line for line in console if "[INFO]" in line or "CUDA_VISIBLE_DEVICES" in line], console
     assert any("GRPO (token ratio, clip 0.2/0.2" in line for line in console), console
     assert all("| clip " in line for line in console if line.startswith("step "))
-    assert re.fullmatch(rf"done: held-out accuracy .* \(step 0\) -> .* \(step 2\); steps 1-2 in \d+ s; "
-                        rf"last checkpoint {out}/step_2", p.stdout.splitlines()[-1]), p.stdout[-2000:]
+    closing = re.fullmatch(rf"done: held-out accuracy .* \(step 0\) -> .* \(step 2\); steps 1-2 in "
+                           rf"(?:(\d+) min )?(\d+) s; last checkpoint {out}/step_2", p.stdout.splitlines()[-1])
+    assert closing, p.stdout[-2000:]
+    # the run's wall time, start-up included: from the launch to the end of the shut-down (not from the
+    # metrics log's opening, which comes after ~15 s of start-up), less the launcher's own exit
+    took = 60 * int(closing.group(1) or 0) + int(closing.group(2))
+    assert wall - 8 <= took <= wall + 1, (closing.group(0), wall)
+    # --wandb (offline here): the run's W&B files, with the steps logged
+    (wandb_run,) = (out / "wandb").glob("offline-run-*")
+    assert list(wandb_run.glob("run-*.wandb")) and any(line.startswith("wandb: ") for line in console)
     with open(out / "metrics.jsonl") as f:
         step_1 = json.loads(next(f))
     warnings = [line for line in console if WARNING in line]
@@ -355,12 +369,23 @@ def test_a_run_says_what_matters_and_its_out_dir_is_not_reused_by_mistake(tmp_pa
     state = json.loads((out / "step_2" / "grpo_state.json").read_text())
     assert state["config"]["lr"] == 1e-3 and state["config"]["model"] == demo_model
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
-    assert len(rows) == 6 and {"step", "prompt", "completion", "reward"} == set(rows[0])
+    assert len(rows) == 6 and {"step", "prompt", "answer", "completion", "reward", "rewards",
+                               "advantage"} == set(rows[0]) and set(rows[0]["rewards"]) == {"demo", "overlong"}
+    # every held-out output of both evaluations (steps 0 and 2), with its gold answer and verdicts
+    outputs = [json.loads(line) for line in (out / "eval_completions.jsonl").read_text().splitlines()]
+    assert [r["eval/step"] for r in outputs] == [0] * 20 + [2] * 20
+    assert {"prompt", "answer", "completion", "accuracy", "format"} < set(outputs[0])
+    assert sum(r["accuracy"] for r in outputs[20:]) / 20 == pytest.approx(step_2_accuracy(out))
     lines = (again.stdout + again.stderr).splitlines()
     refused = [line for line in lines if "holds another run" in line]
     assert again.returncode == 1 and len(refused) == 1, lines
     assert not [line for line in lines if "Traceback" in line or "[ERROR]" in line], lines
     assert (out / "latest").read_text() == "step_2"
+
+
+def step_2_accuracy(out):
+    with open(out / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f][-1]["eval/accuracy"]
 
 
 def test_without_the_launcher_one_line_says_how_to_launch(tmp_path):
@@ -369,3 +394,138 @@ def test_without_the_launcher_one_line_says_how_to_launch(tmp_path):
     lines = [line for line in p.stderr.splitlines() if "WARNING" not in line]
     assert p.returncode == 1 and lines == [line for line in lines if "deepspeed launcher" in line], p.stderr
     assert len(lines) == 1 and "deepspeed --num_gpus 1 grpo_train.py" in lines[0]
+
+
+# ----------------------------------------------------------------------------- the documented lines, as written
+
+def documented(page, start):
+    """The words of the command line of README.md or docs/ that begins with `start`, as a user copies it."""
+    from test_docs import fenced_commands, inline_commands
+    text = open(os.path.join(ROOT, page)).read()
+    (line,) = {line for _, line in [*fenced_commands(text), *inline_commands(text)] if line.startswith(start)}
+    return line.split()
+
+
+# the trainer's lines of README.md and docs/ that these tests run as written (tests/test_docs.py checks that
+# every other one is marked an outline)
+README_LAUNCH = ("README.md", "deepspeed --log_level critical --num_gpus 1 grpo_train.py --model runs/demo/model")
+OWN_DATA = ("README.md", "deepspeed --log_level critical --num_gpus 1 grpo_train.py --config demo/sums.yaml")
+EVAL_ONLY = ("docs/checkpoints.md", "deepspeed --log_level critical --num_gpus 1 grpo_train.py --model runs/sums")
+RUN_AS_WRITTEN = (README_LAUNCH, OWN_DATA, EVAL_ONLY)
+
+
+def checkout(tmp_path, demo_model):
+    """A user's checkout, with the venv active (its bin first on PATH) and `make demo`'s model in
+    runs/demo/model, to run the documented lines in, as a user does: without the Makefile's
+    TORCH_EXTENSIONS_DIR, with a cache folder of its own (XDG_CACHE_HOME), where DeepSpeed would build its
+    op anew if the trainer did not look in the venv's. -> (folder, environment)."""
+    root = tmp_path / "checkout"
+    (root / "runs" / "demo").mkdir(parents=True)
+    for name in os.listdir(ROOT):
+        if not name.startswith(".") and name != "runs":
+            os.symlink(os.path.join(ROOT, name), root / name)
+    os.symlink(demo_model, root / "runs" / "demo" / "model")
+    import matplotlib
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    env.update(PATH=os.path.dirname(sys.executable) + os.pathsep + env["PATH"], PYTHONUNBUFFERED="1",
+               XDG_CACHE_HOME=str(tmp_path / "cache"), MPLCONFIGDIR=matplotlib.get_cachedir())
+    return root, env
+
+
+def test_the_documented_lines_as_written_two_at_once_eval_only_and_ctrl_c(tmp_path, demo_model):
+    """README's own-data example and its by-hand launch, as written, started at the same moment on one
+    machine, each with the launcher's default port: neither meets the other's ranks (each launch takes a
+    port of its own), so both run.
+    The own-data example (demo/sums.yaml: --task custom on a file of 100 sums, --chat-template none, the
+    demo reward): the file's default --eval-size holds out a fifth and says so; the run saves its resolved
+    config (which --config takes back to the same flags), its plot (at each evaluation and at the end),
+    tensorboard's events, and completions with their gold answers and advantages. The by-hand launch,
+    stopped by Ctrl-C after step 2 (stopped_by_ctrl_c). Then docs/checkpoints.md's --eval-only line
+    evaluates the own-data checkpoint on what it was trained on (the file's held-out fifth, --chat-template
+    none; not --task demo), names its step and data, and writes the result beside it. DeepSpeed's op came
+    from the venv every time (no build in the user's cache)."""
+    root, env = checkout(tmp_path, demo_model)
+    log = open(tmp_path / "own_data.log", "w")
+    own_data = subprocess.Popen(documented(*OWN_DATA), cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        stopped_by_ctrl_c(root, env, tmp_path)
+        own_data.wait(timeout=600)
+    finally:
+        if own_data.poll() is None:
+            os.killpg(own_data.pid, signal.SIGKILL)
+    out = open(log.name).read()
+    assert own_data.returncode == 0, out[-5000:]
+    run = root / "runs" / "sums"
+    assert re.search(r"--data demo/sums.jsonl: 80 prompts to train on .*20 held out for evaluation \(no test "
+                     r"split: 20 of its rows \(--eval-size's default on a file of 100 prompts: a fifth\)", out)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 21)) and rows[-1]["eval/step"] == 20
+    from grpo_train import get_args
+    from run_config import NOT_IN_CONFIG
+    ran = get_args(documented(*OWN_DATA)[documented(*OWN_DATA).index("grpo_train.py") + 1:])
+    again = get_args(["--config", str(run / "config.yaml")])
+    assert {k: v for k, v in vars(again).items() if k not in NOT_IN_CONFIG} == {
+        k: v for k, v in vars(ran).items() if k not in NOT_IN_CONFIG}
+    assert (run / "metrics.png").stat().st_size > 10_000 and list(run.glob("events.out.tfevents.*"))
+    samples = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert len(samples) == 20 * 4 and samples[0]["answer"] == str(eval(samples[0]["prompt"].rstrip("=")))
+
+    p = subprocess.run(documented(*EVAL_ONLY), cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    assert "--eval-only: runs/sums/step_20 is step 20 of a run; evaluating it as that run did: --task custom " \
+           "--data demo/sums.jsonl --chat-template none" in p.stdout, p.stdout
+    result = json.loads((run / "step_20" / "eval.json").read_text())
+    assert json.dumps(result) == p.stdout.splitlines()[-1]
+    assert (result["step"], result["task"], result["data"], result["eval/size"]) == (
+        20, "custom", "demo/sums.jsonl", 20)
+    assert result["eval/accuracy"] == pytest.approx(rows[-1]["eval/accuracy"])
+    outputs = [json.loads(line) for line in (run / "step_20" / "eval_completions.jsonl").read_text().splitlines()]
+    held_out = [json.loads(line) for line in (run / "eval_completions.jsonl").read_text().splitlines()]
+    assert sorted(r["prompt"] for r in outputs) == sorted(r["prompt"] for r in held_out if r["eval/step"] == 20)
+    assert not (tmp_path / "cache" / "torch_extensions").exists()
+
+
+def descendants(pid):
+    top = psutil.Process(pid)
+    return [top, *top.children(recursive=True)]
+
+
+def stopped_by_ctrl_c(root, env, tmp_path):
+    """README's by-hand launch, as written, stopped by Ctrl-C (SIGINT to its process group, as a terminal
+    sends it) after step 2: the run finishes its step, saves that step's checkpoint, writes its plot and
+    prints the line that continues it (the same line with --resume); every process of it ends, and the
+    only traceback is the deepspeed launcher's own KeyboardInterrupt."""
+    line = documented(*README_LAUNCH)
+    log = open(tmp_path / "run.log", "w")
+    run = subprocess.Popen(line, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    metrics = root / "runs" / "grpo" / "metrics.jsonl"
+    try:
+        deadline = time.time() + 300
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert run.poll() is None and time.time() < deadline, open(log.name).read()[-3000:]
+            time.sleep(0.2)
+        family = descendants(run.pid)
+        os.killpg(run.pid, signal.SIGINT)
+        run.wait(timeout=120)
+        deadline = time.time() + 60
+        while [p for p in family if running(p)] and time.time() < deadline:
+            time.sleep(0.5)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert not [p.pid for p in family if running(p)]
+    out = open(log.name).read()
+    stopped = [i for i, x in enumerate(out.splitlines()) if x.startswith("stopped after step ")]
+    assert len(stopped) == 1, out[-3000:]
+    said, resume = out.splitlines()[stopped[0]:stopped[0] + 2]
+    k = int(re.match(r"stopped after step (\d+) of 100 \(Ctrl-C\)", said).group(1))
+    assert 2 <= k < 100 and said.endswith(f"last checkpoint runs/grpo/step_{k}; to continue:"), said
+    assert resume == " ".join(line) + " --resume"
+    assert (root / "runs" / "grpo" / "latest").read_text() == f"step_{k}"
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, k + 1))
+    assert (root / "runs" / "grpo" / "metrics.png").exists()
+    tracebacks = [i for i, x in enumerate(out.splitlines()) if x.startswith("Traceback")]
+    assert all("deepspeed/launcher/runner.py" in "\n".join(out.splitlines()[i:i + 4]) for i in tracebacks), out
+    assert not (tmp_path / "cache" / "torch_extensions").exists()

@@ -519,3 +519,63 @@ def test_a_trainer_killed_before_its_first_push_leaves_no_engine(tmp_path, tiny_
         assert time.time() - t0 < 60, "the engine outlived its trainer by a minute"
         time.sleep(0.2)
     finish(proc, timeout=120)
+
+
+def test_mistakes_of_the_config_file_and_the_logging_flags_are_one_line(tmp_path, capsys, monkeypatch):
+    """--config: an unknown key, a file that is not YAML, a switch given a word; --beta 0 with a --ref-url
+    that it would ignore; --wandb or --tensorboard without their package (refused before anything starts,
+    naming what to install); an empty data file. Each: one line, exit status 1."""
+    from grpo_train import get_args
+    from run_setup import load_prompts
+    from demo.tiny_model import build_tokenizer
+    (tmp_path / "typo.yaml").write_text("model: m/m\nlearning_rate: 1e-6\n")
+    (tmp_path / "broken.yaml").write_text("model: [m/m\n")
+    (tmp_path / "switch.yaml").write_text("model: m/m\ngrad_ckpt: yes please\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    monkeypatch.setitem(sys.modules, "wandb", None)   # as if not installed: find_spec says None
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    cases = [(["--config", str(tmp_path / "typo.yaml")], "--config .*typo.yaml: unknown key 'learning_rate' "
+              r"\(the keys are the flags' names: --help lists them"),
+             (["--config", str(tmp_path / "broken.yaml")], r"--config .*broken.yaml: not YAML \(line 2, column 1\)"),
+             (["--config", str(tmp_path / "switch.yaml")], "--config .*switch.yaml: grad_ckpt: true or false"),
+             (["--model", "m/m", "--beta", "0", "--ref-url", "http://127.0.0.1:9"],
+              "--ref-url names reference servers, but --beta 0 trains without a reference"),
+             (["--model", "m/m", "--wandb"], r"--wandb needs the wandb package, which is not installed: pip "
+              r"install -r requirements.txt \(or requirements-cpu.txt\) installs it, or pip install wandb==0.31.0"),
+             (["--model", "m/m", "--tensorboard"], "--tensorboard needs the tensorboard package")]
+    for argv, expected in cases:
+        with pytest.raises(SystemExit) as e:
+            get_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 1 and err.count("\n") == 1 and re.match("grpo_train.py: " + expected, err), err
+    with pytest.raises(SystemExit):
+        load_prompts(build_tokenizer(), task="custom", data=str(tmp_path / "empty.jsonl"), seed=0,
+                     max_prompt_len=16, eval_size=200, prompt_key="prompt", answer_key="answer",
+                     chat_template="none")
+    err = capsys.readouterr().err
+    assert err == f"grpo_train.py: --data {tmp_path / 'empty.jsonl'}: no records (an empty file)\n", err
+    # the pins the refusals name are the ones the requirements files install
+    from run_config import PACKAGES
+    for name in ("requirements.txt", "requirements-cpu.txt"):
+        lines = open(os.path.join(ROOT, name)).read().splitlines()
+        assert all(pin in lines for _, pin in PACKAGES.values()), name
+
+
+def test_a_port_another_run_holds_is_one_line_naming_master_port(tmp_path, tiny_model):
+    """The ranks meet on the launcher's --master_port (default 29500): a second run on one machine found it
+    taken and printed 35 lines (DistNetworkError ... EADDRINUSE). Rank 0, as the launcher starts it, with
+    its port held by another process: one line naming --master_port, exit status 1."""
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("", 0))   # a port of this test's, held
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"}
+        p = subprocess.run([sys.executable, "grpo_train.py", "--model", tiny_model, "--out-dir", str(tmp_path)],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines, _ = said(p.stdout + p.stderr)
+    assert p.returncode == 1 and "Traceback" not in p.stderr and len(lines) == 1, p.stdout + p.stderr
+    assert re.fullmatch(rf"grpo_train.py: port {port} on 127.0.0.1, where the ranks meet, is taken \(another run "
+                        r"on this machine\?\): give this run another with the launcher's --master_port, e\.g\. "
+                        r"deepspeed --master_port \d+ \.\.\.", lines[0]), lines

@@ -1,5 +1,12 @@
-"""metrics.py: the "no learning signal" warning, the step line and step 1's self-check."""
-from metrics import FIRST_STEP_GAP, FIRST_STEP_KL, MetricsLog, NoSignalWatch, first_step_check
+"""metrics.py: the "no learning signal" warning, the step line, the progress display, step 1's self-check,
+the closing line, the completions files and the saved config."""
+import io
+import json
+import re
+
+import pytest
+
+from metrics import FIRST_STEP_GAP, FIRST_STEP_KL, MetricsLog, NoSignalWatch, Progress, first_step_check
 
 # the self-check's line, as first_step_check begins it
 WARNING = "self-check at step 1 failed:"
@@ -44,7 +51,7 @@ def test_step_lines_start_at_column_zero_and_carry_the_warning(tmp_path, capsys)
         log.write({"step": i, **step(truncated=1.0), "loss": 0.0, "kl": 0.0, "entropy": 2.5,
                    **({"eval/accuracy": 0.25, "eval/step": 0} if i == 1 else {})})
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split("|")[0] for line in lines[:3]] == ["step    1 ", "step    2 ", "step    3 "]
+    assert [line.split(" [")[0] for line in lines[:3]] == ["step    1/100", "step    2/100", "step    3/100"]
     assert "entropy 2.500" in lines[0] and "eval 0.250 (step 0)" in lines[0]
     assert len(lines) == 4 and lines[3].startswith("no learning signal:")
 
@@ -68,3 +75,85 @@ def test_first_step_check_names_the_causes_of_what_is_off():
     assert "another checkpoint" not in gap and "dtype" in gap and "chat template" in gap and "top-p" in gap
     both = first_step_check({"kl": 0.2, "sampling/logp_diff_mean": 0.5})
     assert "another checkpoint" in both and "top-p" in both and "\n" not in both
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_shows_step_total_elapsed_and_eta_and_spares_a_log_file():
+    """tqdm's format: step/total [elapsed<remaining, s/step], the remaining time from this launch's mean
+    step after its first. Not a terminal: a line every N steps (and the first, the last, and asked-for
+    ones), nothing between; a terminal rewrites one line in place between the kept ones."""
+    log = io.StringIO()
+    progress = Progress(11, 1000, 0, stream=log, started=0.0)   # resumed after step 10
+    assert progress.every == 10   # about 100 lines for 1000 steps
+    assert progress.prefix(11, now=30.0) == "step   11/1000 [00:30<?, ? s/step]"
+    assert progress.prefix(21, now=50.0) == "step   21/1000 [00:50<32:38, 2.00 s/step]"
+    assert progress.prefix(511, now=1030.0) == "step  511/1000 [17:10<16:18, 2.00 s/step]"
+    assert progress.prefix(1000, now=3600 * 2.0) == "step 1000/1000 [2:00:00<00:00, 7.25 s/step]"
+    for step in range(11, 36):
+        progress.show(step, f"step {step}", keep=step == 13)
+    assert log.getvalue().splitlines() == ["step 11", "step 13", "step 20", "step 30"]
+    screen = Terminal()
+    progress = Progress(1, 3, 0, stream=screen)
+    assert progress.every == 1
+    progress = Progress(1, 500, 100, stream=screen)
+    for step in (1, 2, 3, 100):
+        progress.show(step, f"step {step}")
+    progress.say("a warning")
+    assert screen.getvalue() == "step 1\nstep 2\r\x1b[Kstep 3\r\x1b[Kstep 100\na warning\n"
+
+
+def test_the_closing_line_completions_and_held_out_outputs(tmp_path, capsys):
+    """The closing line (close(), after the last checkpoint and the shut-down): accuracy before -> after,
+    the steps, the time since the launch, the last checkpoint; a stopped run adds the line that continues
+    it. --log-completions 2 --log-completions-every 2: two training rows every second step, with the gold
+    answer, each reward and the advantage; each evaluation's held-out outputs in eval_completions.jsonl."""
+    from run_config import NOT_IN_CONFIG
+    log = MetricsLog(0, out_dir=str(tmp_path), steps=4, log_completions=2, log_completions_every=2,
+                     model="m/m", task="custom", data="my.jsonl", lr=0.5, config="x.yaml", resume=True)
+    samples = [{"prompt": f"{i}+1=", "answer": str(i + 1), "completion": "<answer>2</answer>", "reward": 0.5,
+                "rewards": {"demo": 0.5}, "advantage": 0.1 * i} for i in range(4)]
+    outputs = [{"prompt": "9+1=", "answer": "10", "completion": "<answer>10</answer>", "accuracy": 1.0,
+                "format": 0.0}]
+    row = {"reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "entropy": 1.0, "completion_len/mean": 5.0,
+           "frac_zero_std": 0.5}
+    for step in (1, 2, 3):
+        evals = {"eval/accuracy": 0.25 * step, "eval/step": step - 1, "eval/rows": outputs} if step != 2 else {}
+        log.write({"step": step, **row, **evals, "samples": samples})
+    log.close(3, resume="deepspeed grpo_train.py --model m/m --resume")
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(rf"stopped after step 3 of 4 \(Ctrl-C\): held-out accuracy 0.250 \(step 0\) -> 0.750 "
+                        rf"\(step 2\); steps 1-3 in \d+ (min \d+ )?s; last checkpoint {tmp_path}/step_3; to "
+                        rf"continue:", lines[-2]), lines[-2]
+    assert lines[-1] == "deepspeed grpo_train.py --model m/m --resume"
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 2, **samples[0]}, {"step": 2, **samples[1]}]
+    held_out = [json.loads(line) for line in (tmp_path / "eval_completions.jsonl").read_text().splitlines()]
+    assert held_out == [{"eval/step": 0, **outputs[0]}, {"eval/step": 2, **outputs[0]}]
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    assert "samples" not in metrics and "eval/rows" not in metrics
+    # the plot at each evaluation and at the end, titled with the run's model and task
+    assert (tmp_path / "metrics.png").stat().st_size > 10_000
+    import yaml
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["lr"] == 0.5 and saved["data"] == "my.jsonl" and not set(NOT_IN_CONFIG) & set(saved)
+
+
+def test_a_config_file_under_the_command_line(tmp_path, capsys):
+    """--config run.yaml: its keys under the command line's flags (which win), a switch as true, a list
+    for --gen-devices, YAML's own numbers (3e-4 is a string to YAML 1.1: argparse reads it); the resolved
+    config.yaml a run saves gives back the same flags."""
+    from grpo_train import get_args
+    from metrics import MetricsLog
+    (tmp_path / "run.yaml").write_text("model: m/m\nmax-new-tokens: 64\nlr: 3e-4\ngrad_ckpt: true\n"
+                                       "gen_devices: [0, 1]\nbeta: 0.1\n")
+    args = get_args(["--config", str(tmp_path / "run.yaml"), "--beta", "0.2"])
+    assert (args.model, args.max_new_tokens, args.lr, args.grad_ckpt, args.gen_devices, args.beta) == (
+        "m/m", 64, 3e-4, True, [0, 1], 0.2)
+    MetricsLog(0, **{**vars(args), "out_dir": str(tmp_path / "run")})
+    again = get_args(["--config", str(tmp_path / "run" / "config.yaml")])
+    assert vars(again) == {**vars(args), "config": str(tmp_path / "run" / "config.yaml"),
+                           "out_dir": str(tmp_path / "run")}

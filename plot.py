@@ -1,0 +1,69 @@
+"""Plot a GRPO run's metrics.jsonl: reward and held-out accuracy, KL, completion length and entropy, over
+steps (bottom axis) and time (top axis). Every run draws <out-dir>/metrics.png at each evaluation and at its
+end (metrics.MetricsLog); this draws it again, or another run's:
+
+    python plot.py runs/demo/metrics.jsonl runs/demo/curve.png
+"""
+import json
+import sys
+
+# (panel title, [(key, label, style)]): one panel each
+PANELS = [
+    ("reward and held-out accuracy", [("reward/mean", "reward/mean (training prompts)", "-"),
+                                      ("eval/accuracy", "eval/accuracy (held out, greedy)", "o-")]),
+    ("kl to the reference", [("kl", "kl", "-")]),
+    ("completion length (tokens)", [("completion_len/mean", "completion_len/mean", "-")]),
+    ("entropy (nats per token)", [("entropy", "entropy", "-")]),
+]
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_metrics(metrics_jsonl_path, out_png, title="GRPO"):
+    """Four panels of a run's metrics per step (an evaluation at the step whose weights it scored,
+    eval/step), minutes since the metrics log opened on the top axis. Returns out_png. Uses matplotlib's
+    object API (no pyplot state): safe beside anything else the process draws."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    rows = [r for r in read_metrics(metrics_jsonl_path) if "step" in r]
+    fig = Figure(figsize=(10, 6.4), dpi=110)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2, sharex=True).flatten()
+    for ax, (name, series) in zip(axes, PANELS):
+        for key, label, style in series:
+            step_key = "eval/step" if key.startswith("eval/") else "step"
+            points = [(r[step_key], r[key]) for r in rows if r.get(key) is not None and step_key in r]
+            if points:
+                ax.plot(*zip(*points), style, lw=1.3, ms=4, label=label)
+        ax.set_title(name, fontsize=9)
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.set_ylim(-0.02, 1.02)
+            ax.legend(loc="lower right", fontsize=8)
+    for ax in axes[2:]:
+        ax.set_xlabel("step")
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    timed = [r for r in rows if "time/elapsed_s" in r]
+    if len(timed) > 1:   # the time on top, at the steps where it was reached
+        unit, scale = ("seconds", 1) if timed[-1]["time/elapsed_s"] < 600 else ("minutes", 60)
+        ticks = timed[::max(1, len(timed) // 5)]
+        for ax in axes[:2]:
+            top = ax.secondary_xaxis("top")
+            top.set_xticks([r["step"] for r in ticks], [f"{r['time/elapsed_s'] / scale:.0f}" for r in ticks])
+            top.set_xlabel(f"{unit} since the start", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_png)
+    return out_png
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python plot.py METRICS_JSONL OUT_PNG")
+    print(plot_metrics(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,196 @@
+"""A run's configuration: the command line, a --config YAML file under it (the command line wins, as TRL's
+--config), the flags that need each other or a package, and what a checkpoint's --eval-only evaluates.
+grpo_train.get_args uses it; each run saves the resolved flags as <out-dir>/config.yaml (metrics.py), which
+--config takes back to repeat the run. A mistake is one line naming the flag, file or key (stop_with)."""
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import shlex
+import sys
+
+from placement import first_rank, stop_with
+
+# --eval-size's default; a file without a test split and with fewer than 5 x as many prompts: a fifth of them
+DEFAULT_EVAL_SIZE = 200
+# the flags an --eval-only of a checkpoint takes from the run that trained it, unless given: what decides
+# the held-out set, how its prompts are written, the reward that scores it, and the generation lengths
+EVAL_FLAGS = ("task", "data", "seed", "prompt_key", "answer_key", "chat_template", "rewards",
+              "max_new_tokens", "max_prompt_len", "eval_size")
+# what each logging flag imports, and the pin the requirements files install
+PACKAGES = {"tensorboard": ("tensorboard", "tensorboard==2.21.0"), "wandb": ("wandb", "wandb==0.31.0")}
+# flags no config file sets: the launcher's, and those that say what to do with an --out-dir this once
+NOT_IN_CONFIG = ("config", "local_rank", "resume", "overwrite", "resume_with_changes")
+
+
+def positive(text):
+    """--log-completions-every "10" -> 10 (argparse names the flag when this raises)."""
+    if int(text) < 1:
+        raise ValueError(text)
+    return int(text)
+
+
+def add_run_args(p):
+    """The flags of evaluation, logging, checkpoints, and --config (run_setup.add_system_args adds them)."""
+    g = p.add_argument_group("evaluation, logging and checkpoints")
+    g.add_argument("--eval-every", type=int, default=0, help="held-out eval every N steps (and first, last)")
+    g.add_argument("--eval-size", type=int, default=DEFAULT_EVAL_SIZE,
+                   help="held-out samples per evaluation (held out of --data when it has no test split; the "
+                        "default 200 holds out a fifth of a file of fewer than 1000 prompts)")
+    g.add_argument("--eval-only", action="store_true", help="evaluate --model on the held-out split and exit")
+    g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
+    g.add_argument("--keep-checkpoints", type=int, default=2,
+                   help="checkpoints kept on disk, newest first (0: all); the reference's is kept too")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
+    g.add_argument("--resume-with-changes", action="store_true",
+                   help="--resume even where flags that change the run differ from the checkpoint's")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --out-dir that holds another run (its checkpoints are deleted)")
+    g.add_argument("--log-completions", type=int, default=0,
+                   help="N training completions (prompt, answer, completion, each reward, advantage) written to "
+                        "completions.jsonl every --log-completions-every steps, and each evaluation's held-out "
+                        "outputs (answer, completion, verdict) to eval_completions.jsonl")
+    g.add_argument("--log-completions-every", type=positive, default=1, help="steps between those rows")
+    g.add_argument("--log-every", type=int, default=0,
+                   help="a step line every N steps (0: every step up to 100 steps, else about 100 lines a run); "
+                        "on a terminal the steps between rewrite one line")
+    g.add_argument("--tensorboard", action="store_true", help="also log to tensorboard in --out-dir")
+    g.add_argument("--wandb", action="store_true",
+                   help="also log to Weights & Biases (its own settings: WANDB_PROJECT, WANDB_MODE=offline, ...)")
+    p.add_argument("--config", default=None,
+                   help="a YAML file of flag: value (max_new_tokens: 512); flags on the command line win")
+
+
+def config_argv(path, parser):
+    """--config FILE's keys as command-line words, placed before the command line's own so that those win.
+    A key is a flag's name (max_new_tokens or max-new-tokens); true/false for a switch; a list for
+    --gen-devices. An unknown key, a malformed file or a file that is not a mapping: one line."""
+    import yaml
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f)
+    except OSError as e:
+        stop_with(f"--config {path}: {e.strerror}")
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
+        stop_with(f"--config {path}: not YAML{at}: {getattr(e, 'problem', None) or e}")
+    if config is None:
+        return []
+    if not isinstance(config, dict):
+        stop_with(f"--config {path}: a mapping of flag: value is expected, not {type(config).__name__}")
+    actions = {a.dest: a for a in parser._actions}
+    words = []
+    for key, value in config.items():
+        dest = str(key).replace("-", "_")
+        if dest not in actions or dest in NOT_IN_CONFIG:
+            stop_with(f"--config {path}: unknown key {key!r} (the keys are the flags' names: --help lists "
+                      f"them; --resume and --overwrite go on the command line)")
+        flag = actions[dest].option_strings[0]
+        switch = isinstance(actions[dest], argparse._StoreTrueAction)
+        if switch and not isinstance(value, bool):
+            stop_with(f"--config {path}: {key}: true or false, not {value!r}")
+        if switch and value:
+            words.append(flag)
+        elif value is not None and not switch:
+            listed = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+            words += [flag, listed]
+    return words
+
+
+def given_flags(parser, argv):
+    """The flags the command line (or the config file) gave, whatever their values: a parse in which each
+    flag starts as a marker that only a given flag replaces."""
+    unset = object()
+    marked = argparse.Namespace(**{a.dest: unset for a in parser._actions})
+    return {k for k, v in vars(parser.parse_args(argv, marked)).items() if v is not unset}
+
+
+def parse_flags(parser, argv=None):
+    """grpo_train.py's flags: --config's file under the command line's, then the checks that need more than
+    one flag (one line each), then, for --eval-only of a checkpoint, the flags of the run that trained it."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    path = pre.parse_known_args(argv)[0].config
+    words = (config_argv(path, parser) if path else []) + argv
+    args = parser.parse_args(words)
+    given = given_flags(parser, words)
+    if args.beta == 0 and args.ref_url and not args.eval_only:
+        stop_with("--ref-url names reference servers, but --beta 0 trains without a reference: drop "
+                  "--ref-url, or give --beta > 0")
+    for flag, (module, pin) in PACKAGES.items():
+        if getattr(args, flag) and importlib.util.find_spec(module) is None:
+            stop_with(f"--{flag} needs the {module} package, which is not installed: pip install -r "
+                      f"requirements.txt (or requirements-cpu.txt) installs it, or pip install {pin}")
+    if args.eval_only:
+        evaluate_as_trained(args, given, parser)
+    return args
+
+
+def checkpoint_state(folder):
+    """A checkpoint folder's grpo_state.json (its step and its run's flags), or None for any other model."""
+    path = os.path.join(folder, "grpo_state.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def run_config_of(folder):
+    """The resolved flags of the run a checkpoint folder belongs to: <out-dir>/config.yaml beside it (with
+    the flags a resume may change, --eval-size among them), else those grpo_state.json keeps."""
+    import yaml
+    beside = os.path.join(os.path.dirname(os.path.abspath(folder)), "config.yaml")
+    if os.path.isfile(beside):
+        with open(beside) as f:
+            return yaml.safe_load(f) or {}
+    return (checkpoint_state(folder) or {}).get("config") or {}
+
+
+def evaluate_as_trained(args, given, parser):
+    """--eval-only of a checkpoint (a folder with grpo_state.json): the held-out set, prompts, reward and
+    lengths of the run that trained it (EVAL_FLAGS not given), its step (args.eval_step), and the result
+    written beside it (args.eval_dir: the folder itself, or --out-dir if given). Rank 0 says what it took."""
+    state = checkpoint_state(args.model)
+    args.eval_step, args.eval_dir = None, args.out_dir
+    if state is None:
+        return
+    config = run_config_of(args.model)
+    taken = {k: config[k] for k in EVAL_FLAGS if k in config and k not in given}
+    vars(args).update(taken)
+    args.eval_step = state.get("step")
+    if "out_dir" not in given:
+        args.eval_dir = args.model
+    if first_rank():
+        said = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items() if v != parser.get_default(k))
+        print(f"grpo_train.py: --eval-only: {args.model} is step {args.eval_step} of a run; evaluating it "
+              f"as that run did: {said} (flags given here win)", flush=True)
+
+
+def launcher():
+    """The deepspeed launcher's process (its runner: it starts launch.py, which starts each rank of this
+    node), or None when this rank was started otherwise (a multi-node runner, a test)."""
+    import psutil
+    with contextlib.suppress(AttributeError, psutil.Error):
+        runner = psutil.Process().parent().parent()
+        if any(os.path.basename(word) == "deepspeed" for word in runner.cmdline()[:2]):
+            return runner
+    return None
+
+
+def launch_command(resume=False):
+    """The command line that launched this run, as typed (the launcher's, with the CUDA_VISIBLE_DEVICES
+    it was given), or this rank's own under `deepspeed`; with resume, without --overwrite and with
+    --resume: the line that continues the run."""
+    import psutil
+    words, devices = ["deepspeed", *[w for w in sys.argv if not w.startswith("--local_rank")]], None
+    runner = launcher()
+    with contextlib.suppress(AttributeError, psutil.Error):
+        typed = runner.cmdline()
+        start = next(i for i, w in enumerate(typed) if os.path.basename(w) == "deepspeed")
+        words, devices = ["deepspeed", *typed[start + 1:]], runner.environ().get("CUDA_VISIBLE_DEVICES")
+    if resume:
+        words = [w for w in words if w != "--overwrite"] + ([] if "--resume" in words else ["--resume"])
+    return (f"CUDA_VISIBLE_DEVICES={devices} " if devices else "") + shlex.join(words)
