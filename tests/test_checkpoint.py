@@ -219,7 +219,7 @@ def test_the_summary_line_and_completions_file(tmp_path, capsys):
     log.close(2)
     lines = capsys.readouterr().out.splitlines()
     assert "| clip 0.75 |" in lines[0]
-    assert re.fullmatch(rf"done: held-out accuracy 0.250 \(step 0\) -> 0.750 \(step 2\); steps 1-2 in \d+ s; "
+    assert re.fullmatch(rf"done: held-out accuracy 0.250 \(step 0\) -> 0.750 \(step 2\); steps 1-2 in (\d+ min )?\d+ s; "
                         rf"last checkpoint {tmp_path}/step_2", lines[-1]), lines[-1]
     rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2] and rows[0] == {"step": 1, **samples[0]}
