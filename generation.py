@@ -54,7 +54,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lora import base_model_view, vllm_weights
-from placement import reference_device, start_reference_server, tcp_store, training_gpus
+from placement import (default_gen_mem, reference_beside_engine, reference_device, start_reference_server,
+                       tcp_store, training_gpus)
 from ref_client import RefServerError, even_shares, reload_reference, server_urls, wait_for_server
 from ref_server import model_fingerprint
 from rewards import format_reward, parse_reward_spec, score
@@ -97,11 +98,23 @@ RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 def never_pushed(model):
-    """The vLLM layers a push carries nothing for: the rotary embedding's cos/sin cache (computed from the
-    config) and a tied lm_head (its weight is the embedding's, pushed under the embedding's name)."""
+    """vLLM's layer classes a push carries nothing for: every rotary embedding, a subclass of vLLM's
+    RotaryEmbeddingBase (Llama 3's and YaRN's too: a cos/sin cache computed from the config), and a tied
+    lm_head (its weight is the embedding's, pushed under the embedding's name)."""
     from transformers import AutoConfig
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
     tied = getattr(AutoConfig.from_pretrained(model), "tie_word_embeddings", False)
-    return ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
+    return (RotaryEmbeddingBase, ParallelLMHead) if tied else (RotaryEmbeddingBase,)
+
+
+def class_names(classes):
+    """The names of `classes` and of every subclass of theirs defined so far."""
+    names, todo = set(), list(classes)
+    while todo:
+        names.add(todo[-1].__name__)
+        todo += todo.pop().__subclasses__()
+    return names
 
 
 def quiet_vllm_console(model):
@@ -115,7 +128,7 @@ def quiet_vllm_console(model):
     skipped = never_pushed(model)
     logging.getLogger(RELOAD_LOGGER).addFilter(
         lambda record: not (record.getMessage().endswith(": Failed to load weights")
-                            and record.getMessage().split(":")[0].endswith(skipped)))
+                            and record.getMessage().split(":")[0] in class_names(skipped)))
     # vLLM's kernel dispatcher reads a deprecated torch name while it looks for kernels: nothing to act on
     warnings.filterwarnings("ignore", "`torch.distributed.reduce_op` is deprecated", FutureWarning)
     return {"use_tqdm_on_load": False}
@@ -134,7 +147,8 @@ def check_probe(got, expected, last_got, last_expected, tol, version):
     last push, vLLM's moved too (a reload that silently did nothing would pass the first test whenever a
     step moves the probe by less than tol). -> mean |vLLM - trainer|."""
     diff = (got - expected).abs().mean().item()
-    if diff > tol:
+    # `not <=`: NaN log-probs fail too
+    if not diff <= tol:
         raise RuntimeError(f"weight sync failed: vLLM's probe log-probs differ from the trainer's by "
                            f"{diff:.4f} on average (--sync-tol {tol}), version {version}")
     if last_got is not None and not torch.equal(expected, last_expected) and torch.equal(got, last_got):
@@ -209,7 +223,7 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
     the batches sampled before it, so which checkpoint scored which batch stays the rule (ref/step)."""
     from vllm import LLM
 
-    from weight_transfer import apply_transfer, register_gloo
+    from weight_transfer import apply_transfer, register_gloo, shutdown_transfer
     index, engines = job["index"], job["engines"]
     # the trainer's pid as it gave it: one that died while this process was still importing must be seen
     check_parent = partial(exit_if_orphaned, job["trainer"], f"generation engine {index}")
@@ -264,7 +278,7 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
             idle_s += time.time() - t0
         if msg["kind"] == "stop":
             scoring.shutdown(wait=False, cancel_futures=True)
-            llm.shutdown_weight_transfer_engine()
+            shutdown_transfer(llm)
             # multiprocessing flushes the queues and unlinks the semaphores before atexit runs; after it,
             # vLLM's exit clean-up and the last garbage collection of this process's heap took 2.8 s on CPU
             # (every launch's end waited for it) and free nothing that outlives the process
@@ -394,7 +408,7 @@ class GenerationProcess:
     def __init__(self, rollout, reference, train_set, eval_set, state, policy, *, model, gen_device, gen_devices,
                  gen_mem, gen_kv_gb, threads, seed, max_prompt_len, max_new_tokens, prompts_per_step, rewards,
                  sync_tol, max_staleness, beta, ref_url, ref_device, ref_wait, eval_only, steps, ref_sync_every,
-                 out_dir, fp32_lm_head=False, **_):
+                 out_dir, fp32_lm_head=False, dist_timeout=60, **_):
         """rollout(llm, next_prompts, n_prompts) -> an engine's batch; reference(seqs) -> their reference
         log-probs, asked for (with --beta > 0) on the engine's scoring thread; state: the run's (data
         position, the reference's checkpoint); policy: the model the trainer starts from (its dtype is vLLM's; the
@@ -411,7 +425,9 @@ class GenerationProcess:
         # vLLM sizes its KV cache from the free memory it measures across its start (gpu_worker.py,
         # determine_available_memory), so the trainer allocating meanwhile would be counted as vLLM's
         self.shared = not cpu and bool(set(devices) & set(training_gpus(world)))
-        gen_mem = gen_mem if gen_mem is not None else 0.3 if self.shared else 0.9
+        # beside the reference server this run starts, less (placement.REF_GEN_MEM says why)
+        beside_ref = reference_beside_engine(ref_device, devices, beta > 0 and not ref_url and not eval_only)
+        gen_mem = gen_mem if gen_mem is not None else default_gen_mem(self.shared, beside_ref)
         # CPU: torch.compile gains nothing for small models and costs 20 s at start (enforce_eager)
         engine_kw = dict(model=model, dtype=vllm_dtype(next(policy.parameters()).dtype), enforce_eager=cpu,
                          max_model_len=max_prompt_len + max_new_tokens, gpu_memory_utilization=gen_mem,
@@ -465,6 +481,8 @@ class GenerationProcess:
         # the probe: the start of a training prompt, whose log-probs both sides compare after a push
         self.probe_ids = train_set[0]["prompt_ids"][:64]
         self.transfer, self.ahead, self.requested, self.version, self.evals = None, max_staleness, 0, -1, []
+        # rank 0 waits for the engines' start at most as long as the other ranks wait for it
+        self.start_wait_s = 60 * dist_timeout
         # the batches the trainer will still take: never more are asked for
         self.wanted, self.ref_sync_every = 0 if eval_only else steps - state["step"], ref_sync_every
         # per pushed version: the optimizer steps behind it (policy_lag), its training step (evals), and
@@ -536,13 +554,14 @@ class GenerationProcess:
     def push_weights(self, engine, completion_logps, *, evaluate, step):
         """Send the engine's weights by vLLM's weight-transfer API, with the trainer's log-probs of the probe
         (every engine checks them), watching all the while that the engines live."""
-        from weight_transfer import EngineClient, open_transfer
+        from transfer_clients import EngineClient
+        from weight_transfer import open_transfer
         model = engine.module
         self._start_engines()
         if self.transfer is None:   # the engines join once vLLM is up (their start overlaps DeepSpeed's)
             self.client = EngineClient(self.controls, self.answers)
             self.transfer = self._watched(open_transfer, self.backend, self.client,
-                                          partial(vllm_weights, model), len(self.procs))
+                                          partial(vllm_weights, model), len(self.procs), self.start_wait_s)
         ids = torch.tensor([self.probe_ids], device=engine.device)
         with torch.no_grad():
             probe = completion_logps(model, ids, torch.ones_like(ids), len(self.probe_ids) - 1)[0]

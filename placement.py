@@ -41,6 +41,22 @@ def training_gpus(world):
 
 # the most of a training GPU an engine sharing it may take (--gen-mem): the trainer keeps the rest
 SHARED_GEN_MEM = 0.5
+# the most of an engine's GPU it may take beside the reference server rank 0 starts there (the 2-GPU layout):
+# vLLM takes --gen-mem of the whole GPU, and refuses to start with less free (v1/worker/utils.py,
+# request_memory), while the server holds a bf16 copy of the model and its forward (Qwen2.5-7B: 14.2 GiB and
+# more), and NCCL's two receive buffers (1 GiB or the largest tensor, each) come on top, outside vLLM's share
+REF_GEN_MEM = 0.8
+
+
+def default_gen_mem(on_training_gpu, beside_reference):
+    """--gen-mem's default: 0.3 on a training GPU, 0.7 beside the reference server, else vLLM's own 0.9."""
+    return 0.3 if on_training_gpu else 0.7 if beside_reference else 0.9
+
+
+def reference_beside_engine(ref_device, gen_devices, starts_reference):
+    """Whether the reference server rank 0 starts (starts_reference) will share a GPU with an engine."""
+    device = reference_device(ref_device, gen_devices)
+    return starts_reference and torch.cuda.is_available() and device in map(str, gen_devices)
 
 
 def free_port():

@@ -21,8 +21,8 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora import adapter_targets
-from placement import (SHARED_GEN_MEM, first_rank, free_port, master_store, reference_device, stop_with,
-                       training_gpus)
+from placement import (REF_GEN_MEM, SHARED_GEN_MEM, first_rank, free_port, master_store,
+                       reference_beside_engine, reference_device, stop_with, training_gpus)
 from rewards import parse_reward_spec
 # grpo_train.get_args parses its flags with run_config.parse_flags (--config, one-line checks)
 from run_config import DEFAULT_EVAL_SIZE, add_run_args, parse_flags  # noqa: F401
@@ -80,7 +80,8 @@ def add_system_args(p):
                    help="several vLLM engines, one per GPU: 0,1,... (replaces --gen-device)")
     g.add_argument("--gen-mem", type=float, default=None,
                    help=f"vLLM gpu_memory_utilization (default 0.9 on a GPU of its own; 0.3 on a training GPU, "
-                        f"where at most {SHARED_GEN_MEM})")
+                        f"where at most {SHARED_GEN_MEM}; 0.7 beside the reference server rank 0 starts, where at "
+                        f"most {REF_GEN_MEM})")
     g.add_argument("--gen-kv-gb", type=int, default=1, help="vLLM KV cache size in GiB on CPU")
     g.add_argument("--ref-url", default=None,
                    help="reference servers started by hand (ref_server.py), comma-separated, the batch split "
@@ -174,6 +175,8 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         bad_rewards = f"--rewards: {e}"
     bad_model, bad_url = missing_folder(model), ref_url is not None and url_error(ref_url)
     shared = torch.cuda.is_available() and set(gen_devices or [gen_device]) & set(training_gpus(world))
+    beside_ref = reference_beside_engine(ref_device, gen_devices or [gen_device],
+                                         beta > 0 and not ref_url and not eval_only)
     problems = [msg for bad, msg in [
         (group_size < 2, "--group-size must be >= 2: advantages compare the completions of one prompt"),
         (prompts_per_step * group_size < world,
@@ -197,6 +200,10 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         (shared and (gen_mem or 0) > SHARED_GEN_MEM,
          f"--gen-mem {gen_mem}: a vLLM engine on a training GPU may take at most {SHARED_GEN_MEM} of it (the "
          f"trainer needs the rest)"),
+        (beside_ref and (gen_mem or 0) > REF_GEN_MEM,
+         f"--gen-mem {gen_mem}: the reference server this run starts shares a GPU with a vLLM engine, which may "
+         f"then take at most {REF_GEN_MEM} of it (the server's model and the weight push's buffers need the rest; "
+         f"or give the server a GPU of its own: --ref-device)"),
         (gen_mem is not None and not 0 < gen_mem <= 1, "--gen-mem must be in (0, 1]"),
         (bad_model, bad_model),
         (not os.path.isfile(ds_config), f"--ds-config {ds_config}: no such file"),
@@ -208,7 +215,10 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         on = "GPU" if torch.cuda.is_available() else "CPU"
         engines, servers = gen_devices or [gen_device], server_urls(ref_url or "")
         where = f"GPU {','.join(map(str, engines))}" if on == "GPU" else on
-        vllm = f"{len(engines)} vLLM engine{'s' * (len(engines) > 1)} on {where}"
+        # (importing weight_transfer exits in one line on a vLLM outside the range this trainer runs on)
+        from weight_transfer import transfer_backend, vllm as installed
+        vllm = (f"{len(engines)} vLLM {installed.__version__} engine{'s' * (len(engines) > 1)} on {where}, weights "
+                f"by {transfer_backend(engines, world)}")
         if eval_only:
             print(f"grpo_train.py: evaluating {model} on the held-out split; {vllm}", flush=True)
             return

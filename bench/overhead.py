@@ -50,7 +50,8 @@ def alone(a, extra, out):
     import ref_server
     from demo.run_demo import TRAIN_FLAGS
     from generation import never_pushed
-    from weight_transfer import push_in_process, register_gloo
+    from transfer_clients import push_in_process
+    from weight_transfer import register_gloo
     from run_setup import build_engine, init_distributed, load_policy, load_prompts, micro_batches
     from tasks import shuffled_forever
     args = gt.get_args(["--model", a.model, "--out-dir", out, "--steps", str(a.steps), *TRAIN_FLAGS, *extra])

@@ -108,7 +108,8 @@ def measure(size, a):
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
     from grpo_train import completion_logps
-    from weight_transfer import EngineClient, open_transfer
+    from transfer_clients import EngineClient
+    from weight_transfer import open_transfer
     if size == "demo":
         path = demo_model(a.model)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

