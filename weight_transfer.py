@@ -263,8 +263,9 @@ class EngineClient:
         self._call("finish")
 
 
-def open_transfer(backend, client, pairs, engines):
-    """Rank 0's trainer engine for `backend`, joined with every engine (call it on a watched thread)."""
+def open_transfer(backend, client, pairs, engines, host="127.0.0.1"):
+    """Rank 0's trainer engine for `backend`, joined with `engines` ranks (call it on a watched thread); its
+    rendezvous at `host`, this machine's address as they reach it (loopback for engines of its own)."""
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
     register_gloo()
@@ -272,7 +273,7 @@ def open_transfer(backend, client, pairs, engines):
         info = IPCTrainerInitInfo(rank=0, packed=True)
     else:
         kind = NCCLTrainerInitInfo if backend == "nccl" else GlooTrainerInitInfo
-        info = kind(rank=0, master_address="127.0.0.1", master_port=free_port(), world_size=engines + 1)
+        info = kind(rank=0, master_address=host, master_port=free_port(), world_size=engines + 1)
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=PairsSource(pairs))
 
 
