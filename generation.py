@@ -153,10 +153,11 @@ class GenerationProcess:
         log-probs, asked for (with --beta > 0) on the engine's scoring thread; state: the run's (data
         position, the reference's checkpoint); policy: the model the trainer starts from (its dtype is vLLM's; the
         reference servers must serve it); the rest are grpo_train.py's flags: gen_devices (or the one
-        gen_device, or the servers of gen_urls, each waited for up to gen_timeout a request), rewards (eval reports its first), max_staleness (batches asked for beyond the next
-        step's), steps and ref_sync_every (what the run will take, and when a reference reload comes between
-        two requests), threads (each engine's torch threads: a fresh process would take every core, and on CPU
-        fight the trainer for them: the demo's steps took 1.7x as long)."""
+        gen_device; or gen_urls, the vLLM servers, gen_timeout the bound of a request to one), rewards (eval
+        reports its first), max_staleness (batches asked for beyond the next step's), steps and ref_sync_every
+        (what the run will take, and when a reference reload comes between two requests), threads (each engine's
+        torch threads: a fresh process would take every core, and on CPU fight the trainer for them: the demo's
+        steps took 1.7x as long)."""
         from remote_engine import ServerError, trainer_address, world_sizes
         from weight_transfer import transfer_backend
         # where each engine is: a GPU index, or a vLLM server's URL (an engine process here drives it)

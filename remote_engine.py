@@ -115,8 +115,8 @@ class ServerLLM:
     """The vLLM server at `url` as an engine's LLM: the calls grpo_train.rollout, the probe, the evaluation
     (engine_process.py) and weight_transfer.apply_transfer make on vllm.LLM, made over HTTP. Each prompt
     is a request of its own (sent at once, the server batches them) with a seed of its own from a stream
-    seeded `seed`: the samples of two prompts, or of two servers, are independent, and a run repeats on the
-    same servers. In the weight group this server's workers start at rank `rank_offset`; `model` is the
+    seeded `seed`: the samples of two prompts, or of two servers, are independent, and none depends on what
+    else the server sampled before. In the weight group this server's workers start at rank `rank_offset`; `model` is the
     trainer's, whose tokenizer decodes; a server that dies or freezes while nothing waits on it calls
     lost(line) (watch_server)."""
 

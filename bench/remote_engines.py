@@ -4,14 +4,15 @@ run on CPU: seconds a step, push time, generation time, on the demo's model and 
     python bench/remote_engines.py                         # 2 engines, 20 steps a run, 2 rounds
     python bench/remote_engines.py --engines 1 --rounds 3
 
-It starts --engines vLLM servers as docs/gpu.md starts one (python -m vllm.entrypoints.openai.api_server, one
-thread, a 1 GiB KV cache, the engine processes' --threads), then runs the demo's GRPO run (the deepspeed launcher,
+It starts --engines vLLM servers by docs/gpu.md's CPU line (python -m vllm.entrypoints.openai.api_server, the worker
+in the engine's process, a 1 GiB KV cache, --threads threads), then runs the demo's GRPO run (the deepspeed launcher,
 --beta 0.04, the same seed) on local engines and on the servers, alternating, --rounds times each, and reads each
 run's metrics.jsonl: medians over steps 2.. of the step (time/wait_s + time/train_s + time/sync_s), the push
 (time/sync_s), an engine's share of a batch (time/gen_s: the slowest engine's sampling and scoring), and the
 held-out accuracy at the last step. Then, with no run going, one engine's share alone, in this process: rollout's
-generate call (8 prompts x 8 completions, the demo's sampling) --reps times on a local vLLM engine (in this process,
-as an engine process runs it) and through remote_engine.ServerLLM on a server, alternating.
+generate call (8 prompts x 8 completions of exactly 1, then 12 tokens) --reps times on a local vLLM engine (in this
+process, as an engine process runs it) and through remote_engine.ServerLLM on a server, alternating: what a
+share costs once, and what each decoded token adds.
 """
 import argparse
 import json
@@ -36,9 +37,8 @@ def start_servers(model, n, threads):
     """n vLLM servers on loopback, each in a process group of its own -> (processes, their URLs), once up."""
     import requests
     from placement import free_port
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(threads),
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": ROOT,
+           "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1"}
     procs, urls = [], []
     for i in range(n):
         port = free_port()
@@ -71,7 +71,7 @@ def run(model, name, steps, engines_flags):
            *TRAIN_FLAGS, *engines_flags]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     with open(os.path.join(OUT, f"{name}.log"), "w") as log:
-        print(f"running {name}: {' '.join(cmd[4:])}", flush=True)
+        print(f"running {name}: {' '.join(cmd[5:])}", flush=True)
         subprocess.run(cmd, cwd=ROOT, env={**env, "DS_ACCELERATOR": "cpu"}, stdout=log, stderr=subprocess.STDOUT,
                        check=True)
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -82,8 +82,9 @@ def lost(line):
     raise SystemExit(f"bench: {line}")
 
 
-def share_of_a_batch(model, url, reps):
-    """rollout's generate call for one engine's share of a demo batch -> (median s local, median s server)."""
+def share_alone(model, url, reps):
+    """rollout's generate call for one engine's share of a demo batch (8 prompts x 8 completions of exactly
+    1 and 12 tokens), alternating a local engine and the server -> {(side, tokens): median s}."""
     import torch
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -93,17 +94,19 @@ def share_of_a_batch(model, url, reps):
     torch.set_num_threads(1)
     samples = drop_long_prompts(load_task("demo", "train")[:8], AutoTokenizer.from_pretrained(model), 16)[0]
     prompts = [{"prompt_token_ids": s["prompt_ids"]} for s in samples]
-    params = SamplingParams(n=8, temperature=1.0, max_tokens=12, logprobs=0, detokenize=False)
-    local = LLM(model, dtype="float32", enforce_eager=True, seed=0, max_model_len=64,
-                logprobs_mode="processed_logprobs")
-    server = ServerLLM(url, 1, model, 60, 0, lost)
-    times = {"local": [], "server": []}
-    for _ in range(reps + 1):   # the first of each is a warm-up
-        for name, llm in (("local", local), ("server", server)):
-            t = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            times[name].append(time.perf_counter() - t)
-    return statistics.median(times["local"][1:]), statistics.median(times["server"][1:])
+    sides = {"local": LLM(model, dtype="float32", enforce_eager=True, seed=0, max_model_len=64,
+                          logprobs_mode="processed_logprobs"), "server": ServerLLM(url, 1, model, 60, 0, lost)}
+    times = {}
+    for tokens in (1, 12):
+        params = SamplingParams(n=8, temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=0,
+                                detokenize=False)
+        for rep in range(reps + 1):
+            for side, llm in sides.items():
+                t = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                if rep:   # the first of each is a warm-up
+                    times.setdefault((side, tokens), []).append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main():
@@ -129,7 +132,7 @@ def main():
                 got = run(model, f"{side}{r}", a.steps, [*flags, "--threads", str(a.threads)])
                 rows[side] += got[1:]
                 accuracy[side].append(got[-1]["eval/accuracy"])
-        alone = share_of_a_batch(model, urls[0], a.reps)
+        alone = share_alone(model, urls[0], a.reps)
     finally:
         for proc in procs:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -143,8 +146,13 @@ def main():
               f"{median('servers', key) / median('local', key):.2f}x"] for name, key in metrics]
     table.append(["held-out accuracy at the last step", " ".join(f"{x:.3f}" for x in accuracy["local"]),
                   " ".join(f"{x:.3f}" for x in accuracy["servers"]), ""])
-    table.append(["share of a batch alone (8 x 8 completions), s", f"{alone[0]:.4f}", f"{alone[1]:.4f}",
-                  f"{alone[1] / alone[0]:.2f}x"])
+    for tokens in (1, 12):
+        local, server = alone["local", tokens], alone["server", tokens]
+        table.append([f"share alone, 8 x 8 completions of {tokens} token{'s' * (tokens > 1)}, s", f"{local:.4f}",
+                      f"{server:.4f}", f"{server / local:.2f}x"])
+    per_token = {side: (alone[side, 12] - alone[side, 1]) / 11 for side in ("local", "server")}
+    table.append(["share alone, each decoded token after the first, s", f"{per_token['local']:.4f}",
+                  f"{per_token['server']:.4f}", f"{per_token['server'] / per_token['local']:.2f}x"])
     print(f"\n{machine()}; load average {load:.2f} before; {a.engines} engine(s) a side, {a.rounds} run(s) of "
           f"{a.steps} steps each, medians over steps 2..{a.steps} of all runs; alone: median of {a.reps}")
     print_table(["", "local engines", "vLLM servers", "servers / local"], table)

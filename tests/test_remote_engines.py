@@ -6,6 +6,7 @@ every assertion on them: the refusals, a run through the two beside the same run
 killed mid-run, and a server frozen."""
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,25 +17,28 @@ import psutil
 import pytest
 
 from conftest import next_port, running
+from test_faults import finish, rows_of
 from demo.run_demo import TRAIN_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-# the server's flags for the demo's model on CPU, as docs/gpu.md gives them
-SERVER_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "64", "--logprobs-mode",
-                "processed_logprobs", "--weight-transfer-config", '{"backend": "gloo"}', "--worker-extension-cls",
-                "vllm_extension.TrainerExtension"]
 
 
 def start_server(model, port, log_path, rl_routes=True):
-    """A vLLM server in a process group of its own, one thread, a 1 GiB KV cache; with the RL routes
-    (VLLM_SERVER_DEV_MODE=1) or without."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_SERVER_DEV_MODE": "1" if rl_routes else "0"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-           *SERVER_FLAGS]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    """A vLLM server started by the CPU line of docs/gpu.md ("Generation on vLLM servers") as written, on
+    `model` and `port`, in a process group of its own; with the RL routes (VLLM_SERVER_DEV_MODE=1) or
+    without."""
+    from test_docs import fenced_commands
+    with open(os.path.join(ROOT, "docs", "gpu.md")) as f:
+        line = next(c for _, c in fenced_commands(f.read()) if "vllm.entrypoints.openai.api_server" in c)
+    words = shlex.split(line.replace("$PWD", ROOT))
+    start = words.index("python")
+    env = {**os.environ, **dict(w.split("=", 1) for w in words[:start])}
+    env["VLLM_SERVER_DEV_MODE"] = "1" if rl_routes else "0"
+    argv = words[start + 1:]
+    argv[argv.index("--model") + 1], argv[argv.index("--port") + 1] = model, str(port)
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=open(log_path, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
     proc.url, proc.log = f"http://127.0.0.1:{port}", log_path
     return proc
 
@@ -75,20 +79,6 @@ def launch(out_dir, model, *flags):
                             env={**os.environ, "DS_ACCELERATOR": "cpu"})
     proc.log, proc.out_dir = log.name, out_dir
     return proc
-
-
-def finish(proc, timeout=600):
-    proc.wait(timeout=timeout)
-    with open(proc.log) as f:
-        return proc.returncode, f.read()
-
-
-def rows_of(out_dir):
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
 
 
 def evals_of(rows):
@@ -142,7 +132,7 @@ def test_a_run_on_two_vllm_servers_learns_as_on_local_engines_and_ends_in_one_li
                     f"servers\")"), said
 
     # --- the same run through the two servers; one killed once step 20's evaluation is logged
-    remote = launch(tmp_path / "remote", demo_model, "--steps", "40", "--eval-every", "10", "--gen-urls",
+    remote = launch(tmp_path / "remote", demo_model, "--steps", "60", "--eval-every", "10", "--gen-urls",
                     f"{one.url},{two.url}")
     deadline = time.time() + 400
     while 20 not in evals_of(rows_of(remote.out_dir)):
@@ -171,7 +161,7 @@ def test_a_run_on_two_vllm_servers_learns_as_on_local_engines_and_ends_in_one_li
         assert r["gen/engines"] == 2 and r["gen/samples"] == 16 * 8 and r["stale_dropped"] == 0
         assert r["sync/logp_diff"] < 1e-3 and r["data/prompts_seen"] == 16 * r["step"]
     assert rows[0]["policy_lag"] == 0 and rows[0]["sampling/logp_diff_mean"] < 1e-4, rows[0]
-    rc, out = finish(local)
+    rc, out = finish(local, timeout=600)
     assert rc == 0, out[-3000:]
     ours, theirs = evals_of(rows), evals_of(rows_of(local.out_dir))
     # greedy answers of the same weights: the same 29 of the 90 held-out problems
