@@ -165,8 +165,9 @@ class ServerLLM:
             self.sync.update_weights(request["update_info"])
 
     def finish_weight_update(self, weight_version=None):
+        # the version is not sent: vLLM 0.26.0's client takes none, and the probe checks what landed
         with _answered(self.url, "POST /finish_weight_update", self.timeout):
-            self.sync.finish_weight_update(weight_version)
+            self.sync.finish_weight_update()
 
     def reset_prefix_cache(self):
         # refused only while requests run, and none does between a push's finish and the next batch

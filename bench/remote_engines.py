@@ -3,6 +3,7 @@ run on CPU: seconds a step, push time, generation time, on the demo's model and 
 
     python bench/remote_engines.py                         # 2 engines, 20 steps a run, 2 rounds
     python bench/remote_engines.py --engines 1 --rounds 3
+    python bench/remote_engines.py --worker-process        # each server's worker in a process of its own
 
 It starts --engines vLLM servers by docs/gpu.md's CPU line (python -m vllm.entrypoints.openai.api_server, the worker
 in the engine's process, a 1 GiB KV cache, --threads threads), then runs the demo's GRPO run (the deepspeed launcher,
@@ -33,12 +34,12 @@ SERVER_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "64"
                 "vllm_extension.TrainerExtension"]
 
 
-def start_servers(model, n, threads):
+def start_servers(model, n, threads, worker_process):
     """n vLLM servers on loopback, each in a process group of its own -> (processes, their URLs), once up."""
     import requests
     from placement import free_port
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": ROOT,
-           "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": str(int(worker_process)),
+           "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1"}
     procs, urls = [], []
     for i in range(n):
         port = free_port()
@@ -117,11 +118,13 @@ def main():
     p.add_argument("--rounds", type=int, default=2, help="runs on each side, alternating local and servers")
     p.add_argument("--reps", type=int, default=30, help="generate calls timed on each side (share of a batch)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each engine and each server")
+    p.add_argument("--worker-process", action="store_true",
+                   help="servers with their worker in a process of its own (vLLM's CPU default), not in the engine's")
     a = p.parse_args()
     model = os.path.abspath(demo_model(a.model))
     os.makedirs(OUT, exist_ok=True)
     load = os.getloadavg()[0]
-    procs, urls = start_servers(model, a.engines, a.threads)
+    procs, urls = start_servers(model, a.engines, a.threads, a.worker_process)
     try:
         sides = {"local": ["--gen-devices", ",".join(map(str, range(a.engines)))],
                  "servers": ["--gen-urls", ",".join(urls)]}
@@ -153,8 +156,10 @@ def main():
     per_token = {side: (alone[side, 12] - alone[side, 1]) / 11 for side in ("local", "server")}
     table.append(["share alone, each decoded token after the first, s", f"{per_token['local']:.4f}",
                   f"{per_token['server']:.4f}", f"{per_token['server'] / per_token['local']:.2f}x"])
-    print(f"\n{machine()}; load average {load:.2f} before; {a.engines} engine(s) a side, {a.rounds} run(s) of "
-          f"{a.steps} steps each, medians over steps 2..{a.steps} of all runs; alone: median of {a.reps}")
+    worker = "in a process of its own" if a.worker_process else "in the engine's process"
+    print(f"\n{machine()}; load average {load:.2f} before; {a.engines} engine(s) a side (the servers' worker "
+          f"{worker}), {a.rounds} run(s) of {a.steps} steps each, medians over steps 2..{a.steps} of all runs; "
+          f"alone: median of {a.reps}")
     print_table(["", "local engines", "vLLM servers", "servers / local"], table)
 
 
