@@ -34,7 +34,8 @@ Weights cross by vLLM's own RL weight-transfer API (weight_transfer.py): NCCL be
 for an engine on the one training GPU, gloo on CPU, each push start -> update -> finish as vLLM defines
 it. Neither side ever waits blindly: rank 0 runs each transfer on a thread and checks while it waits that
 every engine lives; an engine runs a watchdog thread that exits once its trainer (its parent) is gone,
-whatever call it is blocked in. An engine says it is ready only once its weight group exists and a
+whatever call it is blocked in, and one that drives a server ends, saying why in one line, once the server
+is gone or silent (remote_engine.watch_server). An engine says it is ready only once its weight group exists and a
 collective has crossed it (vLLM's NCCL init runs a warm-up all_reduce; the gloo group a handshake), so
 NCCL's lazily built communicator can never block the first push outside these checks. (Not yet run on
 GPUs: see docs/gpu.md.)
