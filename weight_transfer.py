@@ -247,7 +247,7 @@ class StaticSender:
     engines (0.32: NCCLTrainerWeightTransferEngine.send_weights, IPCTrainerWeightTransferEngine.send_weights).
     Here the wire parameters ride each update info (packed, the buffer's size), not the init."""
 
-    def __init__(self, backend, client, source, world_size, buffer_bytes):
+    def __init__(self, backend, client, source, world_size, buffer_bytes, host):
         self.backend, self.client, self.source, self.group = backend, client, source, None
         self.wire = {"packed": True, "packed_buffer_size_bytes": buffer_bytes}
         if backend == "ipc":
@@ -256,7 +256,7 @@ class StaticSender:
         # nccl_engine.py, NCCLWeightTransferEngine.trainer_init (= nccl_common.trainer_init: rank 0 of a
         # StatelessProcessGroup, then a PyNcclCommunicator), while the engines join on a thread
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
-        rendezvous = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": world_size}
+        rendezvous = {"master_address": host, "master_port": free_port(), "world_size": world_size}
         joined = run_on_thread(client.init_weight_transfer_engine, {**rendezvous, "rank_offset": 1})
         self.group = NCCLWeightTransferEngine.trainer_init(rendezvous)
         joined.join()
@@ -291,18 +291,18 @@ class StaticSender:
             self.group = None
 
 
-def vllm_trainer_engine(backend, client, source, world_size, buffer_bytes):
+def vllm_trainer_engine(backend, client, source, world_size, buffer_bytes, host):
     """vLLM's trainer engine for "nccl" or "ipc", packed into buffers of buffer_bytes: from its factory where
     it has one (factory.py, WeightTransferTrainerFactory: IPC from vLLM 0.27, NCCL from 0.28), else
     StaticSender (0.26; 0.27's NCCL)."""
     if backend not in WeightTransferTrainerFactory._registry:
-        return StaticSender(backend, client, source, world_size, buffer_bytes)
+        return StaticSender(backend, client, source, world_size, buffer_bytes, host)
     if backend == "ipc":
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
         info = IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=buffer_bytes)
     else:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-        info = NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(),
+        info = NCCLTrainerInitInfo(rank=0, master_address=host, master_port=free_port(),
                                    world_size=world_size, packed=True, packed_buffer_size_bytes=buffer_bytes)
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
@@ -353,20 +353,21 @@ class PairsSource(WeightSource):
         return iter([(n, t.detach()) for n, t in pairs])
 
 
-def open_transfer(backend, client, pairs, engines, wait_s=GROUP_TIMEOUT.total_seconds()):
-    """Rank 0's trainer engine for `backend`, joined with every engine (call it on a watched thread). The
+def open_transfer(backend, client, pairs, engines, wait_s=GROUP_TIMEOUT.total_seconds(), host="127.0.0.1"):
+    """Rank 0's trainer engine for `backend`, joined with `engines` ranks (call it on a watched thread), its
+    rendezvous at `host`, this machine's address as they reach it (loopback for engines of its own). The
     rendezvous starts once every engine is up (client.wait_until_up, at most wait_s: the trainer's
     --dist-timeout): vLLM's NCCL rendezvous waits 300 s at most (distributed/utils.py,
     StatelessProcessGroup.create's store_timeout, 0.26 to 0.32), less than an engine's cold start may take."""
     source = PairsSource(pairs)
     client.wait_until_up(wait_s)
     if backend == "gloo":
-        info = GlooTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(),
+        info = GlooTrainerInitInfo(rank=0, master_address=host, master_port=free_port(),
                                    world_size=engines + 1)
         return GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
     buffer_bytes = packed_buffer_bytes(source.metadata())
     source.pending = None
-    return vllm_trainer_engine(backend, client, source, engines + 1, buffer_bytes)
+    return vllm_trainer_engine(backend, client, source, engines + 1, buffer_bytes, host)
 
 
 def deferred_attention():

@@ -151,9 +151,9 @@ class PeakMemory(threading.Thread):
 
 
 def step_one_prompts(train_cmd_flags, model):
-    """Step 1's prompts, as the run drew them (run_setup.load_prompts, generation.shares_of_blocks)."""
+    """Step 1's prompts, as the run drew them (run_setup.load_prompts, engine_process.shares_of_blocks)."""
     from transformers import AutoTokenizer
-    from generation import shares_of_blocks
+    from engine_process import shares_of_blocks
     from grpo_train import get_args
     from run_setup import load_prompts
     args = get_args(["--model", model, *train_cmd_flags])
@@ -169,7 +169,7 @@ def standalone_tok_s(model, prompts, args, gpus):
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     import torch
     from vllm import LLM, SamplingParams
-    from generation import quiet_vllm_console
+    from engine_process import quiet_vllm_console
     cpu = not torch.cuda.is_available()
     if cpu:   # as the run's engine (--threads 1)
         torch.set_num_threads(1)

@@ -49,7 +49,7 @@ def alone(a, extra, out):
     import grpo_train as gt
     import ref_server
     from demo.run_demo import TRAIN_FLAGS
-    from generation import never_pushed
+    from engine_process import never_pushed
     from transfer_clients import push_in_process
     from weight_transfer import register_gloo
     from run_setup import build_engine, init_distributed, load_policy, load_prompts, micro_batches

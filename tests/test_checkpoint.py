@@ -134,7 +134,7 @@ def test_vllm_is_told_the_trainers_dtype(tiny_model):
     """The trainer picks its dtype by the reference server's rule (bf16 only where native: tested with
     ref_server.default_dtype), and vLLM is given exactly that dtype, never its own "auto" (which picks fp16
     on pre-Ampere GPUs)."""
-    from generation import vllm_dtype
+    from engine_process import vllm_dtype
     from run_setup import load_policy
     model, _ = load_policy(tiny_model, grad_ckpt=False)
     assert model.dtype == torch.float32 and vllm_dtype(model.dtype) == "float32"   # no GPU here

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from conftest import next_port, running
-from generation import GenerationProcess, engine_positions, merge_batches, shares_of_blocks
+from engine_process import shares_of_blocks
+from generation import GenerationProcess, engine_positions, merge_batches
 from ref_client import even_shares, server_urls
 from tasks import shuffled_forever
 
@@ -192,7 +193,7 @@ def _engine_receiving(port, trainer_pid, marker):
     with its handshake, one bucket received, then a wait for the next, which never comes."""
     import torch
     from functools import partial
-    from generation import exit_if_orphaned, watch_parent
+    from engine_process import exit_if_orphaned, watch_parent
     from weight_transfer import gloo_group
     watch_parent(partial(exit_if_orphaned, trainer_pid, "test engine"))
     group = gloo_group("127.0.0.1", port, 1, 2)

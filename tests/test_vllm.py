@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from generation import RELOAD_LOGGER, check_probe, never_pushed, quiet_vllm_console, vllm_probe_logps
+from engine_process import RELOAD_LOGGER, check_probe, never_pushed, quiet_vllm_console, vllm_probe_logps
 from grpo_train import completion_logps
 from run_setup import pad_batch
 
