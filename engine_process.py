@@ -97,12 +97,42 @@ def quiet_vllm_console(model):
     return {"use_tqdm_on_load": False}
 
 
-def vllm_probe_logps(llm, ids):
-    """vLLM's log-probs of ids[1:] given the tokens before each (temperature 1)."""
+def probe_params():
+    """The probe's request: one token, and the prompt's log-probs (temperature 1)."""
     from vllm import SamplingParams
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                       use_tqdm=False)[0]
+    return SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+
+def probe_logps(out, ids):
+    """A probe request's output -> vLLM's log-probs of ids[1:] given the tokens before each."""
     return torch.tensor([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])])
+
+
+def vllm_probe_logps(llm, ids):
+    """vLLM's log-probs of ids[1:] given the tokens before each (temperature 1), a request of their own."""
+    return probe_logps(llm.generate([{"prompt_token_ids": ids}], probe_params(), use_tqdm=False)[0], ids)
+
+
+class ProbeAlong:
+    """The LLM as rollout sees it after a push: its first generate also asks for the probe's log-probs, one
+    more request in the same engine steps as the batch's (vLLM takes a SamplingParams per prompt), where a
+    request of its own cost a push an engine step (on CPU, 6 ms of the demo's 19 ms push: bench/README.md).
+    `got` holds them after that generate; everything else is the LLM's."""
+
+    def __init__(self, llm, probe_ids):
+        self.llm, self.probe_ids, self.got = llm, probe_ids, None
+
+    def __getattr__(self, name):
+        return getattr(self.llm, name)
+
+    def generate(self, prompts, params, **kw):
+        if self.got is not None:
+            return self.llm.generate(prompts, params, **kw)
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        outs = self.llm.generate([*prompts, {"prompt_token_ids": self.probe_ids}], [*params, probe_params()],
+                                 **kw)
+        self.got = probe_logps(outs[-1], self.probe_ids)
+        return outs[:-1]
 
 
 def check_probe(got, expected, last_got, last_expected, tol, version):
@@ -217,6 +247,15 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
         return [train_set[i] for i in next(draws)]
 
     version, last, probe_diff, idle_s, ref_step = -1, (None, None), None, 0.0, job["ref_step"]
+    # the probe of the last push until it is checked: (ids, the trainer's log-probs)
+    probing = None
+
+    def checked(got):
+        # the push landed: vLLM's probe log-probs against the trainer's (check_probe)
+        nonlocal last, probe_diff, probing
+        expected = torch.tensor(probing[1])
+        probe_diff = check_probe(got, expected, *last, job["sync_tol"], version)
+        last, probing = (got, expected), None
     # at most one batch is being scored: the next waits for it, so batches leave in the order sampled
     scoring, pending = ThreadPoolExecutor(1, thread_name_prefix="reference"), None
 
@@ -260,11 +299,10 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
             apply_transfer(llm, msg, skipped)
             answers.put(msg["method"])
         if msg["kind"] == "transfer" and msg["method"] == "finish":
-            version, expected = msg["version"], torch.tensor(msg["probe_logps"])
-            got = vllm_probe_logps(llm, msg["probe_ids"])
-            probe_diff = check_probe(got, expected, *last, job["sync_tol"], version)
-            last = (got, expected)
+            # the probe rides the next batch (ProbeAlong), or, before an evaluation, goes first alone
+            version, probing = msg["version"], (msg["probe_ids"], msg["probe_logps"])
             if msg["evaluate"]:
+                checked(vllm_probe_logps(llm, msg["probe_ids"]))
                 evals = held_out_eval(llm, eval_share, job["max_new_tokens"], job["reward_spec"])
                 results.put({"kind": "eval", "version": version, "evals": evals})
         elif msg["kind"] == "reference":
@@ -281,7 +319,10 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
             ref_step = msg["step"]
         elif msg["kind"] == "batch":
             t0 = time.time()
-            batch = rollout(llm, next_prompts, len(job["share"]))
+            along = ProbeAlong(llm, probing[0]) if probing else llm
+            batch = rollout(along, next_prompts, len(job["share"]))
+            if probing:
+                checked(along.got)
             batch["metrics"].update({"data/prompts_seen": pos * len(job["share"]) // per_step,
                                      "sync/logp_diff": probe_diff, "sync/probe_logp": last[0].mean().item(),
                                      "time/gen_s": time.time() - t0,

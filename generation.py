@@ -146,6 +146,8 @@ class GenerationProcess:
     """Rank 0's handle on the generation engines: starts them, asks them for batches, pushes weights to them,
     and notices within seconds when one has died, or when the launcher above this rank has (deepspeed's
     single-node runner does not pass SIGTERM on: without this check, killing it would leave orphans)."""
+    # the push in flight (weight_transfer.run_on_thread), and the CUDA stream it runs on
+    pushing, stream = None, None
 
     def __init__(self, rollout, reference, train_set, eval_set, state, policy, *, model, gen_device, gen_devices,
                  gen_mem, gen_kv_gb, threads, seed, max_prompt_len, max_new_tokens, prompts_per_step, rewards,
@@ -236,11 +238,12 @@ class GenerationProcess:
             check_reference(ref_url, ref_wait, policy, state["ref"], model)
         # the probe: the start of a training prompt, whose log-probs both sides compare after a push
         self.probe_ids = train_set[0]["prompt_ids"][:64]
-        self.transfer, self.ahead, self.requested, self.version, self.evals = None, max_staleness, 0, -1, []
+        self.transfer, self.ahead, self.version, self.evals = None, max_staleness, -1, []
         # rank 0 waits for the engines' start at most as long as the other ranks wait for it
         self.start_wait_s = 60 * dist_timeout
-        # the batches the trainer will still take: never more are asked for
-        self.wanted, self.ref_sync_every = 0 if eval_only else steps - state["step"], ref_sync_every
+        # batches asked for and taken in this launch, and the most it takes: never more are asked for
+        self.asked, self.taken = 0, 0
+        self.total, self.ref_sync_every = 0 if eval_only else steps - state["step"], ref_sync_every
         # per pushed version: the optimizer steps behind it (policy_lag), its training step (evals), and
         # the engines' parts of its evaluation until all have answered
         self.opt_steps_at, self.step_at, self.eval_parts, self.evaluated = {}, {}, {}, -1
@@ -278,6 +281,9 @@ class GenerationProcess:
                              f"{self.ref_server.returncode}); its output is above")
         if self.launcher is not None and not _alive(self.launcher):
             raise SystemExit(f"the launcher (pid {self.launcher.pid}) is gone: stopping the run")
+        # a push that ended: landed, or failed on rank 0's side (an engine's failure ends it, seen above)
+        if self.pushing is not None and not self.pushing.is_alive():
+            self._landed()
 
     def _receive(self, engine):
         while True:
@@ -304,10 +310,13 @@ class GenerationProcess:
             control.put(msg)
 
     def _watched(self, fn, *args):
-        """fn(*args) on a thread, checking every 50 ms while it runs that every engine lives -> its value.
-        On an error the weight group is aborted: a transfer cut short leaves it unusable."""
+        """fn(*args) on a thread, watched (_wait_for) -> its value."""
         from weight_transfer import run_on_thread
-        thread = run_on_thread(fn, *args)
+        return self._wait_for(run_on_thread(fn, *args))
+
+    def _wait_for(self, thread):
+        """Until `thread` (weight_transfer.run_on_thread) ends, checking every 50 ms that every engine lives ->
+        its value. On an error the weight group is aborted: a transfer cut short leaves it unusable."""
         try:
             while not thread.join(0.05):
                 self.check_alive()
@@ -326,45 +335,75 @@ class GenerationProcess:
             raise
         return thread.value
 
+    def _landed(self):
+        """Wait for the push in flight, if any: rank 0 sends the engines nothing else while one is."""
+        if self.pushing is not None:
+            pushing, self.pushing = self.pushing, None
+            self._wait_for(pushing)
+
     def push_weights(self, engine, completion_logps, *, evaluate, step):
-        """Send the engine's weights by vLLM's weight-transfer API, with the trainer's log-probs of the probe
-        (every engine checks them), watching all the while that the engines live."""
-        from transfer_clients import EngineClient
-        from weight_transfer import open_transfer
+        """Send the weights this step left by vLLM's weight-transfer API, with the trainer's log-probs of the
+        probe (every engine checks them), on a thread: the trainer goes on to its next step while they cross
+        and the engines load them. The previous push has landed first; the weights cross from a snapshot
+        (transfer_clients.Snapshot), which the next step's update leaves alone. Behind the push's finish go
+        the batches it allows (1 + --max-staleness asked for beyond those taken), so an engine goes from the
+        load to the next batch without waiting for rank 0."""
+        from transfer_clients import EngineClient, PushStream, Snapshot
+        from weight_transfer import open_transfer, run_on_thread
+        self._landed()
         model = engine.module
         self._start_engines()
         if self.transfer is None:   # the engines join once vLLM is up (their start overlaps DeepSpeed's)
-            self.client = EngineClient(self.controls, self.answers)
-            self.transfer = self._watched(open_transfer, self.backend, self.client,
-                                          partial(vllm_weights, model), self.ranks, self.start_wait_s, self.host)
+            self.client = EngineClient(self.controls, self.answers, self.check_alive)
+            self.snapshot, self.stream = Snapshot(partial(vllm_weights, model)), PushStream()
+        # before the transfer opens: vLLM's packed buffers are sized from the weights (packed_buffer_bytes)
+        self.snapshot.take()
+        if self.transfer is None:
+            self.transfer = self._watched(open_transfer, self.backend, self.client, self.snapshot, self.ranks,
+                                          self.start_wait_s, self.host)
         ids = torch.tensor([self.probe_ids], device=engine.device)
         with torch.no_grad():
             probe = completion_logps(model, ids, torch.ones_like(ids), len(self.probe_ids) - 1)[0]
         self.version += 1
+        self.opt_steps_at[self.version], self.step_at[self.version] = engine.global_steps, step
         self.client.finish = {"version": self.version, "evaluate": evaluate, "probe_ids": self.probe_ids,
                               "probe_logps": probe.tolist()}
-        self._watched(self.transfer.send_weights)
-        self._pushed(step, engine.global_steps)
+        self.client.then = self._asks_after_push(step)
+        self.pushing = run_on_thread(self.stream.run, self.transfer.send_weights)
 
-    def _pushed(self, step, opt_steps):
-        """After the push of training step `step`: what it was, and the batches it allows asked for at once.
-        At a step whose checkpoint the reference servers then load (grpo_train's `refresh`), reload_reference
-        asks for them, behind its message: batches asked for before it are scored by the old reference."""
-        self.opt_steps_at[self.version], self.step_at[self.version] = opt_steps, step
-        if not (self.ref_sync_every and step and step % self.ref_sync_every == 0):
-            self._ask_ahead(1 + self.ahead)
+    def _asks_after_push(self, step):
+        """The batch requests that follow the push of training step `step`: until 1 + `ahead` are asked for
+        beyond those taken. At a step whose checkpoint the reference servers then load (grpo_train's
+        `refresh`), none: reload_reference asks, behind its message, so batches asked for before it are
+        scored by the reference before."""
+        if self.ref_sync_every and step and step % self.ref_sync_every == 0:
+            return []
+        return self._asks(self.taken + 1 + self.ahead)
 
     def reload_reference(self, path, step):
         """The reference servers load checkpoint `path` (of training step `step`) once every engine has
         finished the batches already asked for: those are scored by the reference before, later ones by it."""
+        self._landed()
         self._send({"kind": "reference", "path": path, "step": step})
-        self._ask_ahead(1 + self.ahead)
+        self._ask_for(self.taken + 1 + self.ahead)
 
-    def _ask_ahead(self, n):
-        """Ask for batches until n are asked for and not yet taken, never more than the run still takes."""
-        while self.requested < min(n, self.wanted):
-            self._send({"kind": "batch"})
-            self.requested += 1
+    def _asks(self, n):
+        """The batch requests that make n asked for in this launch (never more than it takes), counted."""
+        more = max(0, min(n, self.total) - self.asked)
+        self.asked += more
+        return [{"kind": "batch"}] * more
+
+    def _ask_for(self, n, wait=True):
+        """Ask for batches until n are asked for in this launch. A push's calls and these requests share the
+        engines' queues, where their order is the protocol's: while a push is in flight, asking waits for it to
+        land, or (wait=False) is left to the requests that follow its finish."""
+        if self.asked >= min(n, self.total):
+            return
+        if self.pushing is not None and not wait and self.pushing.is_alive():
+            return
+        self._landed()
+        for msg in self._asks(n):
+            self._send(msg)
 
     def _keep_eval(self, engine, msg):
         parts = self.eval_parts.setdefault(msg["version"], {})
@@ -387,24 +426,25 @@ class GenerationProcess:
 
     def next_batch(self, opt_steps):
         """The next batch, the union of the engines' (with policy_lag: optimizer steps since the weights that
-        sampled it, and stale_dropped). Between pushes (--sync-every K > 1) `ahead` stay asked for."""
+        sampled it, and stale_dropped). Between pushes (--sync-every K > 1) `ahead` stay asked for. On-policy
+        (--max-staleness 0), the batch is asked for only once the push before it has landed."""
         dropped = 0
         while True:
-            self._ask_ahead(1)
+            self._ask_for(self.taken + 1)
             # every engine had the same pushes before the same request: one version
             batch = merge_batches([self._next_batch_of(i) for i in range(len(self.procs))])
-            self.requested -= 1
+            self.taken += 1
             # older than the protocol allows would be a bug here: dropped, counted, never trained on
             if self.version - batch["version"] <= self.ahead:
                 break
             dropped += 1
-        self.wanted -= 1
-        self._ask_ahead(self.ahead)
+        self._ask_for(self.taken + self.ahead, wait=False)
         batch["metrics"]["policy_lag"] = opt_steps - self.opt_steps_at[batch["version"]]
         return {**batch, "stale_dropped": dropped}
 
     def wait_eval(self):
         """Wait for the evaluation of the last push (the final one is worth waiting for) -> take_evals()."""
+        self._landed()
         for i in range(len(self.procs)):
             while self.evaluated < self.version and i not in self.eval_parts.get(self.version, {}):
                 msg = self._receive(i)
@@ -418,7 +458,11 @@ class GenerationProcess:
         return {k: v for e in evals for k, v in e.items()}
 
     def stop(self):
-        """The engines shut their side of the weight group down, then rank 0 its own."""
+        """A push in flight lands (it and "stop" share the engines' queues), unless an engine is gone (a Ctrl-C's
+        SIGTERM reaches them too: the abort below ends it); then the engines shut their side of the weight
+        group down, and rank 0 its own."""
+        if self.pushing is not None and all(p.is_alive() for p in self.procs if p.pid is not None):
+            self._landed()
         self._send({"kind": "stop"})
         # an engine on a training GPU is not started before the first push
         for proc in [p for p in self.procs if p.pid is not None]:

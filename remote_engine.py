@@ -141,13 +141,14 @@ class ServerLLM:
         return self.tokenizer
 
     def generate(self, prompts, params, use_tqdm=False):
-        """vllm.LLM.generate of token-id prompts ({"prompt_token_ids": ids}) -> one Generated each."""
-        fields = {k: getattr(params, k) for k in WIRE_FIELDS}
-        seeds = [params.seed if params.seed is not None else self.seeds.getrandbits(62) for _ in prompts]
-        ask = lambda prompt, seed: _generated(self._post("/v1/completions", {
-            "prompt": prompt["prompt_token_ids"], "seed": seed, "return_token_ids": True, **fields})["choices"],
-            params.n)
-        return list(self.pool.map(ask, prompts, seeds))
+        """vllm.LLM.generate of token-id prompts ({"prompt_token_ids": ids}), with one SamplingParams for all
+        or one each -> one Generated each."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        seeds = [p.seed if p.seed is not None else self.seeds.getrandbits(62) for p in params]
+        ask = lambda prompt, p, seed: _generated(self._post("/v1/completions", {
+            "prompt": prompt["prompt_token_ids"], "seed": seed, "return_token_ids": True,
+            **{k: getattr(p, k) for k in WIRE_FIELDS}})["choices"], p.n)
+        return list(self.pool.map(ask, prompts, params, seeds))
 
     def init_weight_transfer_engine(self, request):
         # the trainer's engine gives each worker the offset of one server's (1); this server's sit after

@@ -2,8 +2,11 @@
 (distributed/weight_transfer/base.py) and wait_until_up, which open_transfer calls first. EngineClient for the
 generation engines, each an LLM in a child process taking its calls on a queue; ThisProcess for an LLM in this
 process (tests, benches)."""
+import contextlib
 import queue
 import time
+
+import torch
 
 from weight_transfer import apply_transfer, open_transfer
 
@@ -11,45 +14,106 @@ from weight_transfer import apply_transfer, open_transfer
 class EngineClient:
     """vLLM's VLLMWeightSyncClient (distributed/weight_transfer/base.py) over the engines' queues: each call
     goes to every engine, which makes the same call on its LLM (apply_transfer) and answers when done.
-    `finish` is the extra the engines get with finish_weight_update (the version, the probe)."""
+    `finish` is the extra the engines get with finish_weight_update (the version, the probe), and `then` the
+    messages that follow it (the batches asked for behind the push).
 
-    def __init__(self, controls, answers):
-        self.controls, self.answers, self.finish = controls, answers, {}
+    A push's calls go out without waiting for each other's answers: an engine takes its queue in order, so
+    start, update and finish reach it in the order vLLM defines, and it goes from one to the next without
+    waiting for rank 0 (rank 0's push runs on a thread beside the training step, which can keep it from
+    answering for a few milliseconds); finish_weight_update collects every answer. Meanwhile `alive()`
+    (GenerationProcess.check_alive) is called every 50 ms: an engine that died never leaves rank 0 waiting."""
 
-    def _call(self, method, info=None):
+    def __init__(self, controls, answers, alive=lambda: None):
+        self.controls, self.answers, self.alive = controls, answers, alive
+        self.finish, self.then, self.unanswered = {}, [], 0
+
+    def _put(self, method, info=None, extra=None):
         for i, control in enumerate(self.controls):
             # vLLM's trainer engines address one LLM of several workers (rank_offset 1, then each worker's
             # rank); each engine here is an LLM of one worker: engine i sits at rank i + 1
             if method == "init" and "rank_offset" in info:
                 control.put({"kind": "transfer", "method": method, "info": {**info, "rank_offset": 1 + i}})
             else:
-                control.put({"kind": "transfer", "method": method, "info": info, **self.finish})
-        for answers in self.answers:
-            answers.get()
+                control.put({"kind": "transfer", "method": method, "info": info, **(extra or {})})
+        self.unanswered += 1
+
+    def _answered(self, deadline=None, late=None):
+        """Every engine's answers to the calls sent so far, checking alive() every 50 ms."""
+        for i, answers in enumerate(self.answers):
+            for _ in range(self.unanswered):
+                while True:
+                    try:
+                        answers.get(timeout=0.05)
+                        break
+                    except queue.Empty:
+                        self.alive()
+                        if deadline is not None and time.monotonic() > deadline:
+                            raise SystemExit(late(i)) from None
+        self.unanswered = 0
 
     def wait_until_up(self, wait_s):
         """Until every engine answers (its vLLM has started: it reads its queue only then), at most wait_s."""
-        for control in self.controls:
-            control.put({"kind": "transfer", "method": "up"})
-        deadline = time.monotonic() + wait_s
-        for i, answers in enumerate(self.answers):
-            try:
-                answers.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise SystemExit(f"grpo_train.py: vLLM engine {i} has not started after {wait_s:g} s "
-                                 f"(--dist-timeout, as long as the other ranks wait for rank 0)") from None
+        self._put("up")
+        self._answered(time.monotonic() + wait_s, lambda i: (
+            f"grpo_train.py: vLLM engine {i} has not started after {wait_s:g} s (--dist-timeout, as long "
+            f"as the other ranks wait for rank 0)"))
 
     def init_weight_transfer_engine(self, init_info):
-        self._call("init", init_info)
+        self._put("init", init_info)
+        self._answered()
 
     def start_weight_update(self):
-        self._call("start")
+        self._put("start")
 
     def update_weights(self, update_info):
-        self._call("update", update_info)
+        self._put("update", update_info)
 
     def finish_weight_update(self, weight_version=None):
-        self._call("finish")
+        self._put("finish", extra=self.finish)
+        for msg in self.then:
+            for control in self.controls:
+                control.put(msg)
+        self._answered()
+
+
+class Snapshot:
+    """The weights a push sends, as the step before it left them, for vLLM's WeightSource (PairsSource): the
+    trainer's next step updates its parameters while they cross. take() copies the trainable ones into
+    buffers kept from push to push: one more copy of them on rank 0's device (at 1.5B parameters in bf16,
+    3.1 GB of the training GPU's memory); frozen ones (LoRA's base weights) and tensors made for the push
+    (LoRA's merged weights, lora.vllm_weights) are sent as they are."""
+
+    def __init__(self, weights):
+        self.weights, self.buffers, self.pairs = weights, {}, []
+
+    def take(self):
+        pairs = []
+        for name, tensor in self.weights():
+            if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+                if name not in self.buffers:
+                    self.buffers[name] = torch.empty_like(tensor, requires_grad=False)
+                tensor = self.buffers[name].copy_(tensor.detach())
+            pairs.append((name, tensor))
+        # the copies are done before the push's own stream reads them (vLLM's packers do not wait for ours)
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+        self.pairs = pairs
+
+    def __call__(self):
+        return self.pairs
+
+
+class PushStream:
+    """On a GPU, a CUDA stream of the push's own, current on the thread that pushes: vLLM's senders wait for
+    their current stream when they are done (0.32: nccl_engine.py, _post_send_sync), which on the default
+    stream would be the trainer's next step, queued meanwhile. Nothing on CPU."""
+
+    def __init__(self):
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+
+    def run(self, fn):
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            return fn()
 
 
 class ThisProcess:

@@ -274,7 +274,8 @@ class StaticSender:
                                                          IPCTrainerSendWeightsArgs(send_mode=send, **self.wire))
         else:
             # nccl_engine.py, NCCLWeightTransferEngine.trainer_send_weights -> packed_nccl_broadcast_producer,
-            # which (in 0.26) does not wait for its last broadcasts: the device is synchronised after it
+            # which (in 0.26) does not wait for its last broadcasts, on streams of its own: the device is
+            # synchronised after it (so on 0.26 a push's finish also waits for the trainer's queued kernels)
             from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerSendWeightsArgs,
                                                                       NCCLWeightTransferEngine)
             receiving = run_on_thread(self.client.update_weights, update_info(meta, **self.wire))

@@ -91,13 +91,17 @@ def test_the_engines_batches_join_in_engine_order_with_the_metrics_of_the_whole(
 class RankZeroAlone(GenerationProcess):
     """Rank 0's handle on one engine, with no process started. `log` records, in order: P<v> push of weights
     v, B<v> a batch request (the engine, taking messages in order, samples it with weights v), T<v> the
-    trainer takes a batch sampled with weights v, R<s> the reference servers are told to load step s."""
+    trainer takes a batch sampled with weights v, R<s> the reference servers are told to load step s. A push's
+    requests follow its finish on the queue: they are logged with it. With in_flight, each push is still
+    under way when the next batch is taken, until rank 0 next waits for it (_landed)."""
 
-    def __init__(self, ahead, steps, ref_sync_every=0):
-        self.ahead, self.wanted, self.ref_sync_every, self.requested, self.version = ahead, steps, ref_sync_every, 0, -1
+    def __init__(self, ahead, steps, ref_sync_every=0, in_flight=False):
+        self.ahead, self.total, self.ref_sync_every, self.version = ahead, steps, ref_sync_every, -1
+        self.asked, self.taken, self.in_flight = 0, 0, in_flight
         self.procs, self.log, self.queued, self.opt_steps_at, self.step_at, self.lags = [None], [], [], {}, {}, []
 
     def _send(self, msg):
+        assert self.pushing is None or not self.pushing.is_alive(), "sent while a push is under way"
         self.log.append(f"B{self.version}" if msg["kind"] == "batch" else f"R{msg['step']}")
         if msg["kind"] == "batch":
             self.queued.append(self.version)
@@ -107,6 +111,17 @@ class RankZeroAlone(GenerationProcess):
         self.log.append(f"T{version}")
         return _part(["s"], version=version)
 
+    def _push(self, step):
+        """push_weights' protocol: the previous push lands, then this one with its requests behind it."""
+        self._landed()
+        self.version += 1
+        self.opt_steps_at[self.version] = step
+        self.log.append(f"P{self.version}")
+        for msg in self._asks_after_push(step):
+            self.log.append(f"B{self.version}")
+            self.queued.append(self.version)
+        self.pushing = InFlight() if self.in_flight else None
+
     def run(self, steps, sync_every=1):
         """grpo_train.main's calls: the first push, then per step: take a batch, push (every sync_every steps
         and at the last), and with --ref-sync-every the reference reload -> the log."""
@@ -115,33 +130,49 @@ class RankZeroAlone(GenerationProcess):
                 batch = self.next_batch(step - 1)
                 self.lags.append(self.version - batch["version"])
             if step % sync_every == 0 or step == steps:
-                self.version += 1
-                self.log.append(f"P{self.version}")
-                self._pushed(step, step)
+                self._push(step)
             if self.ref_sync_every and step and step % self.ref_sync_every == 0:
                 self.reload_reference("ckpt", step)
         return " ".join(self.log)
 
 
+class InFlight:
+    """A push under way (weight_transfer.run_on_thread's interface) until rank 0 waits for it."""
+    value = None
+
+    def is_alive(self):
+        return True
+
+    def join(self, timeout=None):
+        self.is_alive = lambda: False
+        return True
+
+
 def test_a_push_asks_at_once_for_the_batches_it_allows():
     """Right after a push rank 0 asks for 1 + --max-staleness batches not yet taken (the next step's and
-    `ahead` more), not when it takes the next batch: the engine goes from the weight load straight to the
-    batch after next, instead of waiting out the next batch's reference request. Never more batches than
-    the run takes, none older than the rule allows; at a step whose checkpoint the reference servers load,
-    the requests follow the reload message, so which reference scores which batch is unchanged."""
-    # before this change: "P0 B0 T0 B0 P1 T0 B1 P2 T1 B2 P3 T2 P4", each request after the take before it
-    gen = RankZeroAlone(ahead=1, steps=4)
-    assert gen.run(4) == "P0 B0 B0 T0 P1 B1 T0 P2 B2 T1 P3 T2 P4"
-    assert gen.lags == [0, 1, 1, 1] and gen.requested == gen.wanted == 0
-    gen = RankZeroAlone(ahead=1, steps=4, ref_sync_every=2)
-    assert gen.run(4) == "P0 B0 B0 T0 P1 B1 T0 P2 R2 B2 T1 P3 T2 P4 R4"
-    # on-policy: one batch after each push, of its weights
-    gen = RankZeroAlone(ahead=0, steps=3)
-    assert gen.run(3) == "P0 B0 T0 P1 B1 T1 P2 B2 T2 P3" and gen.lags == [0, 0, 0]
+    `ahead` more), behind the push's finish, not when it takes the next batch: the engine goes from the weight
+    load straight to the batch after next. The same requests whether or not the push is still under way when
+    the next batch is taken (rank 0 sends nothing while one is). Never more batches than the run takes, none
+    older than the rule allows; at a step whose checkpoint the reference servers load, the requests follow
+    the reload message, so which reference scores which batch is unchanged."""
+    for in_flight in (False, True):
+        # before asking at once: "P0 B0 T0 B0 P1 T0 B1 P2 T1 B2 P3 T2 P4", each request after the take before it
+        gen = RankZeroAlone(ahead=1, steps=4, in_flight=in_flight)
+        assert gen.run(4) == "P0 B0 B0 T0 P1 B1 T0 P2 B2 T1 P3 T2 P4"
+        assert gen.lags == [0, 1, 1, 1] and gen.asked == gen.taken == gen.total == 4
+        gen = RankZeroAlone(ahead=1, steps=4, ref_sync_every=2, in_flight=in_flight)
+        assert gen.run(4) == "P0 B0 B0 T0 P1 B1 T0 P2 R2 B2 T1 P3 T2 P4 R4"
+        # on-policy: one batch after each push, of its weights
+        gen = RankZeroAlone(ahead=0, steps=3, in_flight=in_flight)
+        assert gen.run(3) == "P0 B0 T0 P1 B1 T1 P2 B2 T2 P3" and gen.lags == [0, 0, 0]
     # --sync-every 2: between pushes, taking a batch asks for the next
     gen = RankZeroAlone(ahead=1, steps=5)
     assert gen.run(5, sync_every=2) == "P0 B0 B0 T0 T0 B0 P1 B1 T0 T1 B1 P2 T1 P3"
-    assert gen.lags == [0, 0, 1, 0, 1] and gen.requested == 0
+    assert gen.lags == [0, 0, 1, 0, 1] and gen.asked == gen.taken == 5
+    # ... and with each push still under way at the take, the request goes behind the next push (fresher)
+    gen = RankZeroAlone(ahead=1, steps=5, in_flight=True)
+    assert gen.run(5, sync_every=2) == "P0 B0 B0 T0 T0 P1 B1 B1 T1 T1 P2 B2 T2 P3"
+    assert gen.lags == [0, 0, 0, 0, 0] and gen.asked == gen.taken == 5
 
 
 def test_engine_and_server_flags(capsys):
