@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 
 import rewards
+from batches import broadcast_json, collate, micro_batches, normaliser
 from checkpoints import StopAfterStep, load_checkpoint, read_state, save_checkpoint, save_on_stop
 from generation import GenerationProcess
 from metrics import (Counters, MetricsLog, add_stats, loss_metrics, policy_stats, reduce_stats,
                      rollout_metrics, timed)
 from ref_client import ref_logps
-from run_setup import (add_system_args, broadcast_json, build_engine, check_config, collate,
-                       init_distributed, load_policy, load_prompts, micro_batches, normaliser,
-                       parse_flags, shut_down)
+from run_setup import (add_system_args, build_engine, check_config, init_distributed, load_policy,
+                       load_prompts, parse_flags, shut_down)
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description="GRPO trainer; launch it with the deepspeed launcher")

@@ -1,6 +1,7 @@
 """The reference server's client, as the trainer's engines call it: ref_logps (split across servers
 and within each one's limits), reload_reference, wait_for_server. The wire format is ref_server.py's
-(its REQUEST_KEYS, read_body, decode_request): encode_request and decode_response build on it."""
+(its REQUEST_KEYS, read_body, decode_request): encode_request and decode_response build on it. check_reference
+is the trainer's start-up check that every server serves the model it starts from."""
 import json
 import math
 import os
@@ -8,12 +9,14 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
 
 import requests
 import torch
 from safetensors.torch import save as st_save
 
-from ref_server import REQUEST_KEYS, WireError, read_body
+from lora import base_model_view
+from ref_server import REQUEST_KEYS, WireError, model_fingerprint, read_body
 
 
 def encode_request(prompts, completions, temperature) -> bytes:
@@ -239,3 +242,22 @@ def wait_for_server(url, timeout=120.0, interval=0.5, note=None) -> dict:
             note = None
         time.sleep(interval)
     raise RefServerError(f"{url}/health not ready after {timeout:g}s; last error: {last}")
+
+
+def check_reference(urls, wait_s, policy, refreshed, model_name):
+    """Wait for every reference server; each must serve the model we start from (else, or if none answers,
+    one line says what to do), or, on a run resumed after a reference refresh, loads that checkpoint again."""
+    fingerprint = None if refreshed else model_fingerprint(base_model_view(policy))
+    for url in server_urls(urls):
+        start = f"python ref_server.py --model {model_name} --port {urlsplit(url).port}"
+        try:
+            served = wait_for_server(url, timeout=wait_s, note=f"grpo_train.py: waiting up to {wait_s:g}s "
+                                     f"(--ref-wait) for the reference server at {url}")
+        except RefServerError:
+            raise SystemExit(f"grpo_train.py: {url}/health not ready after {wait_s:g}s (--ref-wait): start "
+                             f"the reference server ({start}), or train without one (--beta 0)") from None
+        if fingerprint and served["fingerprint"] != fingerprint:
+            raise SystemExit(f"grpo_train.py: {url} serves another model than --model {model_name}: it serves "
+                             f"{served['model']}; restart it ({start})")
+    if refreshed:
+        reload_reference(urls, refreshed, token=os.environ.get("REF_SERVER_TOKEN"))

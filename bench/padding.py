@@ -1,5 +1,5 @@
 """Padded tokens of the training step's micro-batches, cut in the batch's order (before) and longest
-first (run_setup.micro_batches, after), on GSM8K-length sequences. CPU only, no model: the count is what
+first (batches.micro_batches, after), on GSM8K-length sequences. CPU only, no model: the count is what
 run_setup.pad_batch would build.
 
 The stand-in batch: --seqs // --group-size random GSM8K training questions, each in the task's chat prompt
@@ -25,8 +25,7 @@ import os
 import random
 
 from _common import ROOT, print_table
-from run_setup import pad_batch
-from run_setup import micro_batches
+from batches import micro_batches, pad_batch
 from tasks import chat_prompt, data_file, read_records
 
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data", "gsm8k")

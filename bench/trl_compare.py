@@ -68,7 +68,7 @@ def trl_worker(a):
     tok = AutoTokenizer.from_pretrained(a.model)
 
     def reward(prompts, completions, answer, completion_ids, **_):   # ours: rewards.demo_reward (+ the penalty)
-        return [demo_reward(c, {"answer": ans}) + overlong_penalty(len(ids), SHARED["max_new_tokens"],
+        return [demo_reward(c, {"answer": ans}) + overlong_penalty(len(ids), a.max_new_tokens,
                                                                    a.overlong_buffer)
                 for c, ans, ids in zip(completions, answer, completion_ids)]
 
@@ -80,7 +80,7 @@ def trl_worker(a):
 
         def _eval(self, state, model):
             t = time.time()
-            acc = accuracy(model, tok, test, max_new_tokens=SHARED["max_new_tokens"])
+            acc = accuracy(model, tok, test, max_new_tokens=a.max_new_tokens)
             write({"step": state.global_step, "eval/accuracy": acc, "eval/step": state.global_step,
                    "time/eval_s": time.time() - t, "train_s": self.train_s})
 
@@ -121,7 +121,7 @@ def trl_worker(a):
         output_dir=a.out_dir, report_to="none", save_strategy="no", logging_steps=1, seed=a.seed,
         max_steps=a.steps, per_device_train_batch_size=P * G // a.micro_batches,
         gradient_accumulation_steps=a.micro_batches,   # one generation batch of P*G = one optimizer step
-        num_generations=G, max_completion_length=SHARED["max_new_tokens"], temperature=SHARED["temperature"],
+        num_generations=G, max_completion_length=a.max_new_tokens, temperature=SHARED["temperature"],
         top_p=1.0, top_k=0, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
         adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0,
         beta=SHARED["beta"], epsilon=SHARED["eps"], num_iterations=1, loss_type="grpo", scale_rewards="group",
@@ -229,7 +229,8 @@ def run_ours(a, model, out, root=ROOT):
            "--eval-every", str(a.eval_every), "--seed", str(a.seed)]
     cmd += ["--", "--threads", str(a.our_threads)]
     if a.size != "demo":   # learning rate 0 in throughput mode: see stop_at_random_lengths
-        cmd += ["--overlong-buffer", str(SHARED["max_new_tokens"] - 1), "--lr", "0"]
+        cmd += ["--overlong-buffer", str(a.max_new_tokens - 1), "--lr", "0", "--max-new-tokens",
+                str(a.max_new_tokens)]
     print(f"[ours] {' '.join(cmd)}", flush=True)
     load, cpu0 = os.getloadavg()[0], children_cpu()
     t0 = time.time()
@@ -261,7 +262,8 @@ def run_trl(a, model, out, backend):
     cmd = [trl_python(a.trl_venv), os.path.abspath(__file__), "_trl_worker", "--model", model, "--out-dir", out,
            "--log", log, "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
            "--threads", str(a.threads), "--backend", backend, "--micro-batches", str(a.micro_batches),
-           "--overlong-buffer", str(0 if a.size == "demo" else SHARED["max_new_tokens"] - 1),
+           "--overlong-buffer", str(0 if a.size == "demo" else a.max_new_tokens - 1),
+           "--max-new-tokens", str(a.max_new_tokens),
            "--lr", str(SHARED["lr"] if a.size == "demo" else 0.0)]
     print(f"[trl] {' '.join(cmd)}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -412,7 +414,8 @@ def main(argv=None):
         w = argparse.ArgumentParser()
         for k in ("--model", "--out-dir", "--log", "--backend"):
             w.add_argument(k, required=True)
-        for k in ("--steps", "--eval-every", "--seed", "--threads", "--micro-batches", "--overlong-buffer"):
+        for k in ("--steps", "--eval-every", "--seed", "--threads", "--micro-batches", "--overlong-buffer",
+                  "--max-new-tokens"):
             w.add_argument(k, type=int, required=True)
         w.add_argument("--lr", type=float, required=True)
         return trl_worker(w.parse_args(argv[1:]))
@@ -442,6 +445,9 @@ def main(argv=None):
                    help="'demo': the warm-started demo model, time to --target; or HIDDENxLAYERS (e.g. 512x6): a "
                         "random model of that shape, completions per second (no evaluations; the module docstring)")
     p.add_argument("--warm-steps", type=int, default=3, help="--size HxL: steady state starts after this step")
+    p.add_argument("--max-new-tokens", type=int, default=SHARED["max_new_tokens"],
+                   help="--size HxL: the completion limit, both systems (more makes generation a bigger share of "
+                        "a step; the demo task keeps its 12)")
     p.add_argument("--baseline", default=None,
                    help="also run ours as of this git commit (e.g. d08f4ac), exported beside the results, in the "
                         "same rotation: before and after in one run")
@@ -454,6 +460,9 @@ def main(argv=None):
         ensure_trl_venv(a.trl_venv)
     if a.size != "demo":
         a.eval_every = 0
+    elif a.max_new_tokens != SHARED["max_new_tokens"]:
+        raise SystemExit(f"trl_compare.py: --max-new-tokens is for --size HxL; the demo task keeps "
+                         f"{SHARED['max_new_tokens']}")
 
     model = os.path.abspath(a.model) if a.model else os.path.join(out, "model")
     if not a.model:   # built once; every system starts from this folder
@@ -465,7 +474,7 @@ def main(argv=None):
                     "--warm-start-steps", "0"]
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if a.size != "demo":
-            stop_at_random_lengths(model)
+            stop_at_random_lengths(model, a.max_new_tokens)
         print(f"[model] built in {time.time() - t:.0f} s: {model} ({n_params(model) / 1e6:.1f}M parameters)",
               flush=True)
 
@@ -549,7 +558,7 @@ def n_params(model):
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
-def stop_at_random_lengths(model):
+def stop_at_random_lengths(model, max_new_tokens):
     """A random model never earns the demo reward, so every group would tie and our dynamic filter would train
     on nothing: as in bench/gpu_check.py, extra stop tokens end completions at random lengths (about half the
     limit on average), and the overlong penalty over the whole length (buffer = max_new_tokens - 1, both
@@ -560,7 +569,7 @@ def stop_at_random_lengths(model):
     from transformers import AutoTokenizer
     from _common import stop_at_random_lengths as save_stop_config
     tok = AutoTokenizer.from_pretrained(model)
-    save_stop_config(model, tok.eos_token_id, tok.pad_token_id, len(tok), SHARED["max_new_tokens"])
+    save_stop_config(model, tok.eos_token_id, tok.pad_token_id, len(tok), max_new_tokens)
 
 
 if __name__ == "__main__":

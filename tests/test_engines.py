@@ -14,9 +14,10 @@ import psutil
 import pytest
 import torch
 
+from batches import merge_batches
 from conftest import next_port, running
 from engine_process import shares_of_blocks
-from generation import GenerationProcess, engine_positions, merge_batches
+from generation import GenerationProcess, engine_positions
 from ref_client import even_shares, server_urls
 from tasks import shuffled_forever
 

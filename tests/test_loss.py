@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from batches import collate, normaliser, pad_batch
 from grpo_train import advantages, completion_logps, grpo_loss
-from run_setup import collate, normaliser, pad_batch
 from rewards import overlong_penalty
 
 AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
@@ -485,7 +485,7 @@ def padding(chunks):
                                                (3, 4, 8), (7, 2, 1)])
 def test_micro_batches_keep_every_sequence_once_and_every_rank_runs_as_many(n_seqs, world, size):
     import random
-    from run_setup import micro_batches
+    from batches import micro_batches
     seqs = gsm8k_like_batch(random.Random(n_seqs), prompts=n_seqs, group_size=1)
     plans = [micro_batches(seqs[rank::world], seqs, world, size) for rank in range(world)]
     trained = sorted(s["id"] for plan in plans for chunk, weight in plan if weight for s in chunk)
@@ -503,7 +503,7 @@ def test_micro_batches_group_similar_lengths_so_less_is_padded(world):
     """Against cutting each rank's sequences in the batch's order (main before the grouping), on 20
     batches of 64 sequences, micro-batch 8."""
     import random
-    from run_setup import micro_batches
+    from batches import micro_batches
     rng, grouped, in_order = random.Random(0), 0, 0
     for _ in range(20):
         seqs = gsm8k_like_batch(rng)

@@ -613,7 +613,7 @@ def test_logps_equal_the_trainers_and_a_plain_forward(model):
     """The server computes log-probs with its own lines (it imports no project file); they equal the trainer's
     (pad_batch + completion_logps) and a plain HF forward, with ragged lengths, at a temperature other than 1."""
     import grpo_train
-    from run_setup import pad_batch
+    from batches import pad_batch
     prompts = PROMPTS + [[7] * 30, [9, 8]]
     completions = COMPLETIONS + [[3, 4], list(range(40, 80))]
     ids, attn, cmask = pad_batch(prompts, completions, 0)

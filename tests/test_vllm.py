@@ -15,9 +15,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine_process import RELOAD_LOGGER, check_probe, never_pushed, quiet_vllm_console, vllm_probe_logps
+from batches import pad_batch
+from engine_process import (RELOAD_LOGGER, ProbeAlong, check_probe, never_pushed, quiet_vllm_console,
+                            vllm_probe_logps)
 from grpo_train import completion_logps
-from run_setup import pad_batch
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -188,6 +189,32 @@ def test_probe_check_catches_a_mismatch_and_a_reload_that_did_nothing(setup):
     # the real reload passes
     llm.push({n: p.detach().clone() for n, p in model.named_parameters()})
     assert check_probe(vllm_probe_logps(llm, probe), want1, got0, want0, tol=0.1, version=1) < 1e-3
+
+
+def test_the_probe_riding_a_batch_is_the_probe_alone_and_leaves_the_batch_as_it_was(setup):
+    """After a push the engine checks the probe on its next batch, as one more request in it (ProbeAlong):
+    the log-probs are those of the probe as a request of its own, the batch's completions are the same, only
+    the first generate carries it, and a step that never reached vLLM is still caught."""
+    llm, model = setup
+    llm.push(perturbed(model, seed=5))
+    probe = LONG_PROMPT[:40]
+    prompts = [TokensPrompt(prompt_token_ids=PROMPT), TokensPrompt(prompt_token_ids=PROMPT[:2])]
+    params = vllm.SamplingParams(n=3, temperature=0.7, max_tokens=6, logprobs=0, seed=1)
+    tokens = lambda outs: [[list(c.token_ids) for c in o.outputs] for o in outs]
+    alone = llm.generate(prompts, params, use_tqdm=False)
+    along = ProbeAlong(llm, probe)
+    assert tokens(along.generate(prompts, params, use_tqdm=False)) == tokens(alone)
+    assert (along.got - vllm_probe_logps(llm, probe)).abs().max() < 1e-5
+    assert len(along.generate(prompts, params, use_tqdm=False)) == 2 and along.got.shape == (len(probe) - 1,)
+    ids = torch.tensor([probe])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05)
+        want = completion_logps(model, ids, torch.ones_like(ids), len(probe) - 1)[0]
+    riding = ProbeAlong(llm, probe)
+    riding.generate(prompts, params, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="differ from the trainer's"):
+        check_probe(riding.got, want, None, None, tol=0.1, version=0)
 
 
 def test_a_push_no_longer_warns_that_it_failed(setup, llama3_rope_model, monkeypatch):
