@@ -242,6 +242,14 @@ class GenerationProcess:
         if self.pushing is not None and not self.pushing.is_alive():
             self._landed()
 
+    def _engines_live(self):
+        """The push thread's check while it waits for the engines' answers: an engine's death ends the push.
+        It never reads the engines' results, where a dead engine's last words are: rank 0's own thread says
+        them (check_alive, in _wait_for or _receive)."""
+        for i, proc in enumerate(self.procs):
+            if proc.pid is not None and not proc.is_alive():
+                raise RuntimeError(f"engine {i} died during a weight push")
+
     def _receive(self, engine):
         while True:
             self.check_alive()
@@ -311,7 +319,7 @@ class GenerationProcess:
         model = engine.module
         self._start_engines()
         if self.transfer is None:   # the engines join once vLLM is up (their start overlaps DeepSpeed's)
-            self.client = EngineClient(self.controls, self.answers, self.check_alive)
+            self.client = EngineClient(self.controls, self.answers, self._engines_live)
             self.snapshot, self.stream = Snapshot(partial(vllm_weights, model)), PushStream()
         # before the transfer opens: vLLM's packed buffers are sized from the weights (packed_buffer_bytes)
         self.snapshot.take()

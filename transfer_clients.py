@@ -2,7 +2,6 @@
 (distributed/weight_transfer/base.py) and wait_until_up, which open_transfer calls first. EngineClient for the
 generation engines, each an LLM in a child process taking its calls on a queue; ThisProcess for an LLM in this
 process (tests, benches)."""
-import contextlib
 import queue
 import time
 
@@ -21,7 +20,7 @@ class EngineClient:
     start, update and finish reach it in the order vLLM defines, and it goes from one to the next without
     waiting for rank 0 (rank 0's push runs on a thread beside the training step, which can keep it from
     answering for a few milliseconds); finish_weight_update collects every answer. Meanwhile `alive()`
-    (GenerationProcess.check_alive) is called every 50 ms: an engine that died never leaves rank 0 waiting."""
+    (GenerationProcess._engines_live) is called every 50 ms: an engine that died never leaves rank 0 waiting."""
 
     def __init__(self, controls, answers, alive=lambda: None):
         self.controls, self.answers, self.alive = controls, answers, alive
@@ -106,14 +105,19 @@ class Snapshot:
 class PushStream:
     """On a GPU, a CUDA stream of the push's own, current on the thread that pushes: vLLM's senders wait for
     their current stream when they are done (0.32: nccl_engine.py, _post_send_sync), which on the default
-    stream would be the trainer's next step, queued meanwhile. Nothing on CPU."""
+    stream would be the trainer's next step, queued meanwhile. The push ends once its stream has: the next
+    Snapshot.take overwrites what it read, whatever the sender waited for. Nothing on CPU."""
 
     def __init__(self):
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
     def run(self, fn):
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+        if self.stream is None:
             return fn()
+        with torch.cuda.stream(self.stream):
+            out = fn()
+        self.stream.synchronize()
+        return out
 
 
 class ThisProcess:

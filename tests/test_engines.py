@@ -176,6 +176,27 @@ def test_a_push_asks_at_once_for_the_batches_it_allows():
     assert gen.lags == [0, 0, 0, 0, 0] and gen.asked == gen.taken == 5
 
 
+def test_a_server_lost_mid_push_is_said_in_its_own_line_whichever_thread_sees_it_first():
+    """The push's thread, waiting for the engines' answers, notices a dead engine without reading the engine's
+    results, where its last words wait (the line naming its vLLM server): rank 0's own thread says them. Had
+    the push's thread taken them, rank 0 would only know that the generation process died."""
+    import multiprocessing
+    import queue
+    dead = multiprocessing.get_context("fork").Process(target=lambda: None)
+    dead.start()
+    dead.join()
+    gen = GenerationProcess.__new__(GenerationProcess)
+    gen.procs, gen.devices, gen.results = [dead], ["http://127.0.0.1:9"], [queue.Queue()]
+    gen.ref_server, gen.launcher = None, None
+    line = "grpo_train.py: the vLLM server http://127.0.0.1:9 is gone (GET /health: ConnectionError)"
+    gen.results[0].put({"kind": "lost", "why": line})
+    with pytest.raises(RuntimeError, match="engine 0 died during a weight push"):
+        gen._engines_live()
+    with pytest.raises(SystemExit) as said:
+        gen.check_alive()
+    assert str(said.value) == line
+
+
 def test_engine_and_server_flags(capsys):
     from grpo_train import get_args
     from run_setup import check_config
