@@ -103,8 +103,8 @@ class GenerationProcess:
     """Rank 0's handle on the generation engines: starts them, asks them for batches, pushes weights to them,
     and notices within seconds when one has died, or when the launcher above this rank has (deepspeed's
     single-node runner does not pass SIGTERM on: without this check, killing it would leave orphans)."""
-    # the push in flight (weight_transfer.run_on_thread), and the CUDA stream it runs on
-    pushing, stream = None, None
+    # the push in flight (weight_transfer.run_on_thread), the CUDA stream it runs on, the last one's seconds
+    pushing, stream, push_s = None, None, None
 
     def __init__(self, rollout, reference, train_set, eval_set, state, policy, *, model, gen_device, gen_devices,
                  gen_mem, gen_kv_gb, threads, seed, max_prompt_len, max_new_tokens, prompts_per_step, rewards,
@@ -334,7 +334,13 @@ class GenerationProcess:
         self.client.finish = {"version": self.version, "evaluate": evaluate, "probe_ids": self.probe_ids,
                               "probe_logps": probe.tolist()}
         self.client.then = self._asks_after_push(step)
-        self.pushing = run_on_thread(self.stream.run, self.transfer.send_weights)
+        self.pushing = run_on_thread(self._push)
+
+    def _push(self):
+        # on the push's thread: from the first call until every engine has answered (time/push_s)
+        t0 = time.time()
+        self.stream.run(self.transfer.send_weights)
+        self.push_s = time.time() - t0
 
     def _asks_after_push(self, step):
         """The batch requests that follow the push of training step `step`: until 1 + `ahead` are asked for
@@ -404,7 +410,8 @@ class GenerationProcess:
                 break
             dropped += 1
         self._ask_for(self.taken + self.ahead, wait=False)
-        batch["metrics"]["policy_lag"] = opt_steps - self.opt_steps_at[batch["version"]]
+        batch["metrics"].update({"policy_lag": opt_steps - self.opt_steps_at[batch["version"]],
+                                 "time/push_s": self.push_s})
         return {**batch, "stale_dropped": dropped}
 
     def wait_eval(self):

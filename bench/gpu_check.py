@@ -317,8 +317,10 @@ def main():
     in_run = sum(r["gen/samples"] * r["completion_len/mean"] for r in rest) / sum(r["time/gen_s"] for r in rest)
     import vllm
     print(f"gpu_check vLLM: {vllm.__version__}, torch {torch.__version__}; the run's {engines}", flush=True)
-    print(f"gpu_check push: {sum(r['time/sync_s'] for r in rest) / len(rest):.3f} s a push (time/sync_s, mean "
-          f"of steps {rest[0]['step']}..{rest[-1]['step']})", flush=True)
+    pushes = [r["time/push_s"] for r in rest if r.get("time/push_s") is not None]
+    print(f"gpu_check push: {sum(pushes) / max(1, len(pushes)):.3f} s a push on its thread (time/push_s), "
+          f"{sum(r['time/sync_s'] for r in rest) / len(rest):.3f} s of it on the trainer's path (time/sync_s), "
+          f"means of steps {rest[0]['step']}..{rest[-1]['step']}", flush=True)
     print(f"gpu_check generation: {in_run:.0f} sampled tok/s in the run, {alone:.0f} standalone on step 1's "
           f"{len(prompts)} prompts x {args.group_size} ({100 * in_run / alone:.0f}%)", flush=True)
     print(f"gpu_check training MFU: {mfu_line(rows, model, prompts, args.group_size, gpus)}", flush=True)

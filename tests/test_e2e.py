@@ -24,7 +24,7 @@ REQUIRED = ["step", "reward/mean", "reward/demo", "reward/overlong", "reward/err
             "batch/groups", "data/prompts_seen", "data/too_long", "grad_norm", "skipped_steps", "stale_dropped",
             "policy_lag", "sync/logp_diff", "time/gen_s", "time/gen_min_s", "time/gen_idle_s", "time/wait_s",
             "time/ref_s", "gen/engines", "gen/samples", "ref/step",
-            "time/train_s", "time/sync_s", "time/elapsed_s", "ratio/mean", "ratio/max",
+            "time/train_s", "time/sync_s", "time/push_s", "time/elapsed_s", "ratio/mean", "ratio/max",
             "sampling/logp_diff_mean", "sampling/logp_diff_max", "entropy"]
 
 
@@ -64,6 +64,8 @@ def test_short_run_on_two_ranks_two_engines_and_two_reference_servers(tmp_path, 
         assert r["entropy"] > 0 or r["batch/groups"] == 0   # over the tokens in the loss, when there are any
         assert r["time/gen_min_s"] <= r["time/gen_s"] and r["time/ref_s"] > 0
         assert r["ref/step"] == 5 * ((r["step"] - 1) // 5), r
+        # the push's own time, off the trainer's path (at step 1 the first push may not have said it yet)
+        assert r["step"] == 1 or r["time/push_s"] > 0, r
     kl = {r["step"]: r["kl"] for r in rows}
     assert all(kl[s] < 1e-7 for s in (6, 11, 16)), kl
     assert all(kl[s] > 1e-5 for s in (5, 10, 15)), kl
