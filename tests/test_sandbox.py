@@ -233,12 +233,13 @@ def test_ordinary_code_is_not_blocked():
 
 PATCH_REALPATH = "import posixpath\nposixpath.realpath = lambda p, *a, **k: '/tmp/sandbox/' + str(p)\n"
 # a cheat: no implementation at all; it finds the project (the parent's working folder, or where
-# a copy of this repository lives) and runs the reference solutions of tasks.py (sandbox.py held them before)
+# a copy of this repository lives) and runs the reference solutions of tasks.py (sandbox.py held them before),
+# those of the first folder that has them (parsing every process's folder could outlast the time limit)
 UNIVERSAL_CHEAT = PATCH_REALPATH + f"""
 import ast, glob, os
 def _solutions():
-    found = []
     for folder in [f'/proc/{{os.getppid()}}/cwd', *glob.glob('/proc/*/cwd'), {ROOT!r}, '..', '../..']:
+        found = []
         for name in ('tasks.py', 'sandbox.py'):
             try:
                 tree = ast.parse(open(os.path.join(folder, name)).read())
@@ -247,7 +248,9 @@ def _solutions():
             for node in tree.body:
                 if isinstance(node, ast.Assign) and getattr(node.targets[0], 'id', '') == 'PROBLEMS':
                     found += [p[2] for p in ast.literal_eval(node.value)]
-    return found
+        if found:
+            return found
+    return []
 for _s in _solutions():
     exec(_s, globals())
 """
