@@ -222,17 +222,20 @@ class GenerationProcess:
                 proc.start()
         self.starts = []
 
+    def _dead_engine(self):
+        """The index of an engine whose process has ended, or None (an engine on a training GPU has no process
+        before the first push)."""
+        return next((i for i, p in enumerate(self.procs) if p.pid is not None and not p.is_alive()), None)
+
     def check_alive(self):
-        # (an engine on a training GPU has no process before the first push)
-        for i, proc in enumerate(self.procs):
-            if proc.pid is not None and not proc.is_alive():
-                # one line: why its vLLM server failed (the line it ended with), or what died and where
-                # (its own traceback, if it had one, is above)
-                served = isinstance(self.devices[i], str)
-                raise SystemExit(served and self._last_words(i) or
-                                 f"grpo_train.py: the generation process died (exit code {proc.exitcode}): "
-                                 f"engine {i}, {'server' if served else 'device'} {self.devices[i]}; its "
-                                 f"traceback, if it had one, is above")
+        if (i := self._dead_engine()) is not None:
+            # one line: why its vLLM server failed (the line it ended with), or what died and where
+            # (its own traceback, if it had one, is above)
+            served = isinstance(self.devices[i], str)
+            raise SystemExit(served and self._last_words(i) or
+                             f"grpo_train.py: the generation process died (exit code {self.procs[i].exitcode}): "
+                             f"engine {i}, {'server' if served else 'device'} {self.devices[i]}; its "
+                             f"traceback, if it had one, is above")
         if self.ref_server is not None and self.ref_server.poll() is not None:
             raise SystemExit(f"grpo_train.py: the reference server this run started died (exit code "
                              f"{self.ref_server.returncode}); its output is above")
@@ -243,12 +246,10 @@ class GenerationProcess:
             self._landed()
 
     def _engines_live(self):
-        """The push thread's check while it waits for the engines' answers: an engine's death ends the push.
-        It never reads the engines' results, where a dead engine's last words are: rank 0's own thread says
-        them (check_alive, in _wait_for or _receive)."""
-        for i, proc in enumerate(self.procs):
-            if proc.pid is not None and not proc.is_alive():
-                raise RuntimeError(f"engine {i} died during a weight push")
+        """The push thread's check while it waits for the engines' answers: an engine's death ends the push. It
+        never reads the engines' results (a dead engine's last words): rank 0's thread says them (check_alive)."""
+        if (i := self._dead_engine()) is not None:
+            raise RuntimeError(f"engine {i} died during a weight push")
 
     def _receive(self, engine):
         while True:
@@ -433,7 +434,7 @@ class GenerationProcess:
         """A push in flight lands (it and "stop" share the engines' queues), unless an engine is gone (a Ctrl-C's
         SIGTERM reaches them too: the abort below ends it); then the engines shut their side of the weight
         group down, and rank 0 its own."""
-        if self.pushing is not None and all(p.is_alive() for p in self.procs if p.pid is not None):
+        if self.pushing is not None and self._dead_engine() is None:
             self._landed()
         self._send({"kind": "stop"})
         # an engine on a training GPU is not started before the first push

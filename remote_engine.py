@@ -179,9 +179,7 @@ class ServerLLM:
     def collective_rpc(self, method, args=()):
         """vllm.LLM.collective_rpc of one of weight_transfer's functions: the worker extension's method of
         the same name, prefixed grpo_ (vllm_extension.py), its arguments as JSON -> one result per worker."""
-        # a class (unloaded_layers' never_pushed) travels as its name
-        body = {"method": "grpo_" + method.__name__,
-                "args": [json.dumps(a, default=lambda c: c.__name__) for a in args]}
+        body = {"method": "grpo_" + method.__name__, "args": [json.dumps(a) for a in args]}
         return self._post("/collective_rpc", body)["results"]
 
     def shutdown_weight_transfer_engine(self):

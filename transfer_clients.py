@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from weight_transfer import apply_transfer, open_transfer
+from weight_transfer import ParamMeta, WeightSource, apply_transfer, open_transfer
 
 
 class EngineClient:
@@ -75,12 +75,12 @@ class EngineClient:
         self._answered()
 
 
-class Snapshot:
-    """The weights a push sends, as the step before it left them, for vLLM's WeightSource (PairsSource): the
-    trainer's next step updates its parameters while they cross. take() copies the trainable ones into
-    buffers kept from push to push: one more copy of them on rank 0's device (at 1.5B parameters in bf16,
-    3.1 GB of the training GPU's memory); frozen ones (LoRA's base weights) and tensors made for the push
-    (LoRA's merged weights, lora.vllm_weights) are sent as they are."""
+class Snapshot(WeightSource):
+    """What a push sends (vLLM's WeightSource), as the step before it left the weights: the trainer's next
+    step updates its parameters while they cross. take() calls `weights` (lora.vllm_weights: the LoRA-merged,
+    untied view) and copies the trainable ones into buffers kept from push to push: one more copy of them on
+    rank 0's device (at 1.5B parameters in bf16, 3.1 GB of the training GPU's memory); frozen ones (LoRA's
+    base weights) and tensors made for the push (LoRA's merged weights) are sent as they are."""
 
     def __init__(self, weights):
         self.weights, self.buffers, self.pairs = weights, {}, []
@@ -98,8 +98,11 @@ class Snapshot:
             torch.cuda.current_stream().synchronize()
         self.pairs = pairs
 
-    def __call__(self):
-        return self.pairs
+    def metadata(self):
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.pairs]
+
+    def __iter__(self):
+        return iter([(n, t.detach()) for n, t in self.pairs])
 
 
 class PushStream:
@@ -148,11 +151,12 @@ def push_in_process(llm, skipped):
     """-> push((name, tensor) pairs) into `llm`, an LLM of this process built after register_gloo() with
     weight_transfer_config={"backend": "gloo"}; push.client.version is the last version pushed."""
     sending = []
-    client = ThisProcess(llm, skipped)
-    transfer = open_transfer("gloo", client, lambda: list(sending), 1)
+    client, snapshot = ThisProcess(llm, skipped), Snapshot(lambda: sending)
+    transfer = open_transfer("gloo", client, snapshot, 1)
 
     def push(pairs):
         sending[:] = list(pairs)
+        snapshot.take()
         transfer.send_weights()
     push.client = client
     return push

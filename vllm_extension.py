@@ -39,10 +39,7 @@ class TrainerExtension:
     def grpo_unloaded_layers(self, never_pushed):
         """weight_transfer.unloaded_layers between update_weights and finish (never_pushed: a JSON list of
         the names of engine_process.never_pushed's classes)."""
-        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-        classes = {c.__name__: c for c in (RotaryEmbeddingBase, ParallelLMHead)}
-        return unloaded_layers(self, tuple(classes[name] for name in json.loads(never_pushed)))
+        return unloaded_layers(self, json.loads(never_pushed))
 
     def grpo_release(self):
         """Forget a trainer: an update it left open is finished (the next trainer's first push rewrites

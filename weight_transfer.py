@@ -337,37 +337,19 @@ def register_gloo():
         WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
 
 
-class PairsSource(WeightSource):
-    """vLLM's WeightSource over a function returning the (name, tensor) pairs to push (generation's
-    vllm_weights: the LoRA-merged, untied view)."""
-
-    def __init__(self, pairs):
-        self.pairs, self.pending = pairs, None
-
-    def metadata(self):
-        # the pairs are kept for the iteration that follows (a LoRA merge is computed once a push)
-        self.pending = self.pairs()
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.pending]
-
-    def __iter__(self):
-        pairs, self.pending = self.pending or self.pairs(), None
-        return iter([(n, t.detach()) for n, t in pairs])
-
-
-def open_transfer(backend, client, pairs, engines, wait_s=GROUP_TIMEOUT.total_seconds(), host="127.0.0.1"):
-    """Rank 0's trainer engine for `backend`, joined with `engines` ranks (call it on a watched thread), its
+def open_transfer(backend, client, source, engines, wait_s=GROUP_TIMEOUT.total_seconds(), host="127.0.0.1"):
+    """Rank 0's trainer engine for `backend`, pushing what `source` (vLLM's WeightSource:
+    transfer_clients.Snapshot) holds, joined with `engines` ranks (call it on a watched thread), its
     rendezvous at `host`, this machine's address as they reach it (loopback for engines of its own). The
     rendezvous starts once every engine is up (client.wait_until_up, at most wait_s: the trainer's
     --dist-timeout): vLLM's NCCL rendezvous waits 300 s at most (distributed/utils.py,
     StatelessProcessGroup.create's store_timeout, 0.26 to 0.32), less than an engine's cold start may take."""
-    source = PairsSource(pairs)
     client.wait_until_up(wait_s)
     if backend == "gloo":
         info = GlooTrainerInitInfo(rank=0, master_address=host, master_port=free_port(),
                                    world_size=engines + 1)
         return GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
     buffer_bytes = packed_buffer_bytes(source.metadata())
-    source.pending = None
     return vllm_trainer_engine(backend, client, source, engines + 1, buffer_bytes, host)
 
 
@@ -386,7 +368,8 @@ def deferred_attention():
 def unloaded_layers(worker, never_pushed):
     """Between update_weights and finish: each layer the push left without all its values (vLLM's layerwise
     reload counts them, 0.26 to 0.32; it only warns about a layer sent nothing, and a fused layer sent in part
-    keeps uninitialised rows) -> ["name (got/expected values)"], never_pushed's classes left out."""
+    keeps uninitialised rows) -> ["name (got/expected values)"], layers of the classes named in never_pushed
+    (and their subclasses) left out: names, which a vLLM server's worker takes as JSON."""
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     deferred, missing = deferred_attention(), []
@@ -394,7 +377,7 @@ def unloaded_layers(worker, never_pushed):
         info = LAYERWISE_INFO.get(layer)
         if info is None or not info.can_load() or not info.load_numel_total:
             continue
-        if isinstance(layer, never_pushed) or deferred(layer):
+        if {c.__name__ for c in type(layer).__mro__} & set(never_pushed) or deferred(layer):
             continue
         expected = info.load_numel_total
         if isinstance(layer, VocabParallelEmbedding):
@@ -444,7 +427,8 @@ def apply_transfer(llm, msg, never_pushed):
         RECEIVED[llm] += msg["info"]["names"]
         llm.update_weights({"update_info": msg["info"]})
     elif method == "finish":
-        missing = [m for found in llm.collective_rpc(unloaded_layers, args=(never_pushed,)) for m in found]
+        names = [c.__name__ for c in never_pushed]
+        missing = [m for found in llm.collective_rpc(unloaded_layers, args=(names,)) for m in found]
         missing += [f"{name} sent {n} times" for name, n in Counter(RECEIVED.pop(llm, [])).items() if n > 1]
         if missing:
             raise RuntimeError(f"weight push version {msg['version']} left vLLM parameters unsent or sent in "

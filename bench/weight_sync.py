@@ -199,12 +199,14 @@ def measure(size, a):
     import torch
     import torch.distributed as dist
     from grpo_train import completion_logps
-    from transfer_clients import EngineClient
+    from transfer_clients import EngineClient, Snapshot
     from weight_transfer import open_transfer
     model, path, control, answers, proc = start(size, a)
     params = [(n, p.detach()) for n, p in model.named_parameters()]
-    client = EngineClient([control], [answers])
-    transfer = open_transfer("gloo", client, lambda: params, 1)
+    # detached: sent as they are, no copy (the previous push, "before", had none)
+    client, snapshot = EngineClient([control], [answers]), Snapshot(lambda: params)
+    snapshot.take()
+    transfer = open_transfer("gloo", client, snapshot, 1)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(minutes=10))
     old_msg = {"kind": "old", "port": store.port, "specs": [(n, list(p.shape)) for n, p in params]}

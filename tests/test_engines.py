@@ -339,7 +339,7 @@ def test_an_engine_slower_to_start_than_the_rendezvous_store_waits_still_joins(m
     the wait ends it in one line naming --dist-timeout."""
     import multiprocessing
     import weight_transfer
-    from transfer_clients import EngineClient
+    from transfer_clients import EngineClient, Snapshot
     monkeypatch.setattr(weight_transfer, "GROUP_TIMEOUT", datetime.timedelta(seconds=3))
     ctx = multiprocessing.get_context("spawn")
     control, answers = ctx.Queue(), ctx.Queue()
@@ -349,7 +349,7 @@ def test_an_engine_slower_to_start_than_the_rendezvous_store_waits_still_joins(m
     try:
         gen = rank_zero_watching(slow)
         transfer = gen._watched(weight_transfer.open_transfer, "gloo", EngineClient([control], [answers]),
-                                lambda: [], 1, 120)
+                                Snapshot(lambda: []), 1, 120)
         assert isinstance(transfer, weight_transfer.GlooTrainerWeightTransferEngine)
         control.put({"kind": "stop"})
         transfer.shutdown()
@@ -359,7 +359,8 @@ def test_an_engine_slower_to_start_than_the_rendezvous_store_waits_still_joins(m
         asleep.start()
         client = EngineClient([ctx.Queue()], [ctx.Queue()])
         with pytest.raises(SystemExit) as e:
-            rank_zero_watching(asleep)._watched(weight_transfer.open_transfer, "gloo", client, lambda: [], 1, 1)
+            rank_zero_watching(asleep)._watched(weight_transfer.open_transfer, "gloo", client, Snapshot(lambda: []),
+                                                1, 1)
         said = str(e.value.code)
         assert "\n" not in said and "vLLM engine 0 has not started after" in said and "--dist-timeout" in said
     finally:
@@ -389,7 +390,7 @@ def test_an_engine_killed_mid_push_ends_the_push_in_one_line():
     interface, on a watched thread) ends within seconds in the one line naming the engine that died, and the
     weight group is aborted."""
     import multiprocessing
-    from transfer_clients import EngineClient
+    from transfer_clients import EngineClient, Snapshot
     from weight_transfer import BUCKET_BYTES, open_transfer
     numel = BUCKET_BYTES // 4   # float32: each weight fills a bucket of its own
     weights = [("a.weight", torch.ones(numel)), ("b.weight", torch.ones(numel))]
@@ -398,7 +399,9 @@ def test_an_engine_killed_mid_push_ends_the_push_in_one_line():
     engine = ctx.Process(target=_engine_dying_mid_push, args=(control, answers, numel), daemon=True)
     engine.start()
     gen = rank_zero_watching(engine)
-    gen.transfer = gen._watched(open_transfer, "gloo", EngineClient([control], [answers]), lambda: weights, 1)
+    source = Snapshot(lambda: weights)
+    source.take()
+    gen.transfer = gen._watched(open_transfer, "gloo", EngineClient([control], [answers]), source, 1)
     t0 = time.time()
     with pytest.raises(SystemExit) as e:
         gen._watched(gen.transfer.send_weights)

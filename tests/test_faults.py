@@ -480,7 +480,7 @@ def test_an_engine_dead_before_the_first_push_never_blocks_opening_the_weight_gr
     seconds, and nothing is left open."""
     import multiprocessing
     from generation import GenerationProcess
-    from transfer_clients import EngineClient
+    from transfer_clients import EngineClient, Snapshot
     from weight_transfer import open_transfer
     ctx = multiprocessing.get_context("spawn")
     dead = ctx.Process(target=time.sleep, args=(0,))
@@ -491,7 +491,7 @@ def test_an_engine_dead_before_the_first_push_never_blocks_opening_the_weight_gr
     client = EngineClient([ctx.Queue()], [ctx.Queue()])
     t0 = time.time()
     with pytest.raises(SystemExit) as e:
-        gen._watched(open_transfer, "gloo", client, lambda: [], 1)
+        gen._watched(open_transfer, "gloo", client, Snapshot(lambda: []), 1)
     assert time.time() - t0 < 10
     # the one line the run ends with (an uncaught SystemExit prints its message, no traceback)
     said = str(e.value.code)
