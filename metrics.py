@@ -252,10 +252,14 @@ def numbers(log):
 class MetricsLog:
     """What rank 0 writes as a run goes: metrics.jsonl (one JSON object per step, with time/elapsed_s), the
     resolved flags (config.yaml, which --config repeats), the progress line (Progress, with NoSignalWatch's
-    warning), the plot metrics.png (plot.py) at each evaluation and at the end, tensorboard and W&B if asked,
-    completions.jsonl and eval_completions.jsonl (--log-completions), and the closing line. On resume the
-    metrics file keeps the steps up to the checkpoint, so it stays one line per step. With --eval-only it
-    writes eval.json instead, beside the checkpoint it evaluates (run_config.evaluate_as_trained)."""
+    warning), the plot metrics.png (plot.py) at the end and at each evaluation a minute or more after the
+    last drawing, tensorboard and W&B if asked, completions.jsonl and eval_completions.jsonl
+    (--log-completions), and the closing line. On resume the metrics file keeps the steps up to the
+    checkpoint, so it stays one line per step. With --eval-only it writes eval.json instead, beside the
+    checkpoint it evaluates (run_config.evaluate_as_trained)."""
+    # a drawing holds rank 0's loop 0.4 s (the first 0.9 s, importing matplotlib): drawn at every
+    # evaluation of the demo (one in 10 steps of ~0.1 s) it was a fifth of the training time
+    plot_every_s = 60.0
 
     def __init__(self, resume_step, *, out_dir, steps, tensorboard=False, wandb=False, eval_only=False,
                  log_completions=0, log_completions_every=1, log_every=0, model=None, task="demo",
@@ -263,7 +267,7 @@ class MetricsLog:
         self.out_dir, self.t_start, self.file, self.tb, self.wandb = out_dir, time.time(), None, None, None
         self.steps, self.first_step, self.model, self.task = steps, resume_step + 1, model, task
         self.log_completions, self.completions_every = log_completions, log_completions_every
-        self.flags, self.plot_failed = flags, False
+        self.flags, self.plot_failed, self.plotted = flags, False, time.time()
         self.progress = Progress(self.first_step, steps, log_every, started=launch_time())
         self.no_signal = NoSignalWatch(template=lambda: describe_template(model, task, chat_template))
         # (eval/step, eval/accuracy) of the run, the resumed part's included: the summary's before -> after
@@ -345,7 +349,8 @@ class MetricsLog:
             self.evals.append((log["eval/step"], log["eval/accuracy"]))
             if self.log_completions and outputs:
                 self.write_rows("eval_completions.jsonl", {"eval/step": log["eval/step"]}, outputs)
-            self.plot()
+            if time.time() - self.plotted >= self.plot_every_s:
+                self.plot()
 
     def write_rows(self, name, head, rows, folder=None, mode="a"):
         """Rows (completions with what scored them), one JSON object each, appended to `name`."""
@@ -356,6 +361,7 @@ class MetricsLog:
         """metrics.png (plot.py), titled with the run's model and task; without matplotlib, one line once."""
         data = self.flags.get("data")
         title = f"GRPO: {self.model} on --task {self.task}" + (f" --data {data}" if data else "")
+        self.plotted = time.time()
         try:
             from plot import plot_metrics
             plot_metrics(self.file.name, os.path.join(self.out_dir, "metrics.png"), title)

@@ -135,11 +135,33 @@ def test_the_closing_line_completions_and_held_out_outputs(tmp_path, capsys):
     assert held_out == [{"eval/step": 0, **outputs[0]}, {"eval/step": 2, **outputs[0]}]
     metrics = (tmp_path / "metrics.jsonl").read_text()
     assert "samples" not in metrics and "eval/rows" not in metrics
-    # the plot at each evaluation and at the end, titled with the run's model and task
+    # the plot at the end (not at an evaluation within a minute of the start), titled with the run's model
+    # and task
     assert (tmp_path / "metrics.png").stat().st_size > 10_000
     import yaml
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["lr"] == 0.5 and saved["data"] == "my.jsonl" and not set(NOT_IN_CONFIG) & set(saved)
+
+
+def test_the_plot_at_most_once_a_minute_during_a_run(tmp_path):
+    """metrics.png during a run: at an evaluation a minute or more after the start or the last drawing,
+    never at one sooner (each drawing holds rank 0's loop), and at the end."""
+    log = MetricsLog(0, out_dir=str(tmp_path), steps=4)
+    row = {"reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "entropy": 1.0, "completion_len/mean": 5.0,
+           "frac_zero_std": 0.5}
+    plot = tmp_path / "metrics.png"
+    log.write({"step": 1, **row, "eval/accuracy": 0.5, "eval/step": 0})
+    assert not plot.exists()
+    log.plotted -= log.plot_every_s
+    log.write({"step": 2, **row})
+    assert not plot.exists()
+    log.write({"step": 3, **row, "eval/accuracy": 0.6, "eval/step": 2})
+    drawn = plot.stat().st_mtime_ns
+    log.write({"step": 4, **row, "eval/accuracy": 0.7, "eval/step": 3})
+    assert plot.stat().st_mtime_ns == drawn
+    plot.unlink()
+    log.close(4)
+    assert plot.stat().st_size > 10_000
 
 
 def test_a_config_file_under_the_command_line(tmp_path, capsys):
