@@ -227,7 +227,9 @@ def run_ours(a, model, out, root=ROOT):
     os.makedirs(out)
     cmd = [sys.executable, "-m", "demo.run_demo", "--model", model, "--out-dir", out, "--steps", str(a.steps),
            "--eval-every", str(a.eval_every), "--seed", str(a.seed)]
-    cmd += ["--", "--threads", str(a.our_threads)]
+    # the same cut of the batch as TRL's (--micro-batches): ours sorts it by length first (micro_batches)
+    per_step = SHARED["prompts_per_step"] * SHARED["group_size"]
+    cmd += ["--", "--threads", str(a.our_threads), "--micro-batch", str(per_step // a.micro_batches)]
     if a.size != "demo":   # learning rate 0 in throughput mode: see stop_at_random_lengths
         cmd += ["--overlong-buffer", str(a.max_new_tokens - 1), "--lr", "0", "--max-new-tokens",
                 str(a.max_new_tokens)]
@@ -440,7 +442,8 @@ def main(argv=None):
     p.add_argument("--our-threads", type=int, default=1,
                    help="grpo_train.py --threads for ours (each training rank and the vLLM process)")
     p.add_argument("--micro-batches", type=int, default=2,
-                   help="TRL gradient accumulation steps per optimizer step (ours: --micro-batch 64 of 128 = 2)")
+                   help="micro-batches a step, both sides: TRL's gradient accumulation steps, ours --micro-batch "
+                        "128 / N (2: the demo's 64)")
     p.add_argument("--size", default="demo",
                    help="'demo': the warm-started demo model, time to --target; or HIDDENxLAYERS (e.g. 512x6): a "
                         "random model of that shape, completions per second (no evaluations; the module docstring)")

@@ -656,6 +656,10 @@ def test_split_to_fit():
     # a demo batch, ~100 sequences of 5 + 4-6 tokens, is one request to a server with the default limits
     defaults = vars(parse_args(["--model", "m"]))
     assert len(split_to_fit([[5] * 5] * 100, [[3] * (4 + i % 3) for i in range(100)], defaults)) == 1
+    # mixed lengths: a request per run of similar ones, none of whose forward is over a quarter padding
+    lengths = [10] * 8 + [12] * 8 + [40] * 8 + [45] * 4
+    parts = split_to_fit([[1]] * len(lengths), [[2] * (n - 1) for n in lengths], defaults)
+    assert parts == [list(range(16)), list(range(16, 28))]
 
 
 def test_client_splits_a_batch_over_the_servers_limits(server, model):
