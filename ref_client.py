@@ -122,7 +122,7 @@ def _fits(limits, n_seqs, width, n_tokens):
 def split_to_fit(prompts, completions, limits) -> list[list[int]]:
     """Index lists, shortest sequences first, each a request within the server's limits (/health)
     whose forward pass is at most a quarter padding: a batch of mixed lengths goes as a request per
-    run of similar ones (25M parameters, 48 new tokens: a step's reference call 5.2 -> 2.7 s,
+    run of similar ones (25M parameters, 48 new tokens: a step's reference call 5.5 -> 2.9 s,
     bench/README.md section 13). A sequence that alone exceeds the limits goes alone, and the
     server's 413 says why."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
