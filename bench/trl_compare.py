@@ -39,6 +39,8 @@ UNINSTALL = ["torchvision", "torchaudio", "torchcodec", "triton"]
 
 # The shared GRPO settings. Ours get them from demo/run_demo.py's TRAIN_FLAGS (checked below); TRL from GRPOConfig.
 SHARED = dict(prompts_per_step=16, group_size=8, lr=3e-4, beta=0.04, max_new_tokens=12, temperature=1.0, eps=0.2)
+# completions a step, on both sides: a step's batch, which --micro-batches cuts
+PER_STEP = SHARED["prompts_per_step"] * SHARED["group_size"]
 
 
 # ----------------------------------------------------------------------------- TRL side (runs in bench/.venv-trl)
@@ -116,12 +118,11 @@ def trl_worker(a):
             self.llm.collective_rpc(lambda worker: repack_cpu_lm_head(worker.model_runner.model))
             self.llm.reset_prefix_cache()
         VLLMGeneration.sync_weights = sync_weights
-    P, G = SHARED["prompts_per_step"], SHARED["group_size"]
     config = GRPOConfig(
         output_dir=a.out_dir, report_to="none", save_strategy="no", logging_steps=1, seed=a.seed,
-        max_steps=a.steps, per_device_train_batch_size=P * G // a.micro_batches,
-        gradient_accumulation_steps=a.micro_batches,   # one generation batch of P*G = one optimizer step
-        num_generations=G, max_completion_length=a.max_new_tokens, temperature=SHARED["temperature"],
+        max_steps=a.steps, per_device_train_batch_size=PER_STEP // a.micro_batches,
+        gradient_accumulation_steps=a.micro_batches,   # one generation batch of PER_STEP = one optimizer step
+        num_generations=SHARED["group_size"], max_completion_length=a.max_new_tokens, temperature=SHARED["temperature"],
         top_p=1.0, top_k=0, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
         adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0,
         beta=SHARED["beta"], epsilon=SHARED["eps"], num_iterations=1, loss_type="grpo", scale_rewards="group",
@@ -228,8 +229,7 @@ def run_ours(a, model, out, root=ROOT):
     cmd = [sys.executable, "-m", "demo.run_demo", "--model", model, "--out-dir", out, "--steps", str(a.steps),
            "--eval-every", str(a.eval_every), "--seed", str(a.seed)]
     # the same cut of the batch as TRL's (--micro-batches): ours sorts it by length first (micro_batches)
-    per_step = SHARED["prompts_per_step"] * SHARED["group_size"]
-    cmd += ["--", "--threads", str(a.our_threads), "--micro-batch", str(per_step // a.micro_batches)]
+    cmd += ["--", "--threads", str(a.our_threads), "--micro-batch", str(PER_STEP // a.micro_batches)]
     if a.size != "demo":   # learning rate 0 in throughput mode: see stop_at_random_lengths
         cmd += ["--overlong-buffer", str(a.max_new_tokens - 1), "--lr", "0", "--max-new-tokens",
                 str(a.max_new_tokens)]
@@ -390,7 +390,6 @@ def table(results, a):
 def throughput_table(results, a):
     """Steady-state completions per second: prompts x group size / training seconds per step, from step
     --warm-steps to the step before the last (our last step also waits for the final evaluation)."""
-    per_step = SHARED["prompts_per_step"] * SHARED["group_size"]
     lines = [f"| system | generation | run | s/step (steps {a.warm_steps}-{a.steps - 1}) | completions/s |",
              "| --- | --- | --- | --- | --- |"]
     best = {}
@@ -398,7 +397,7 @@ def throughput_table(results, a):
         rates = []
         for i, res in enumerate(runs):
             sps = s_per_step(res, a.warm_steps, a.steps - 1)
-            rates.append(per_step / sps if sps else None)
+            rates.append(PER_STEP / sps if sps else None)
             lines.append(f"| {name} | {res['backend']} | {i + 1} | {fmt_s2(sps)} | {fmt_s(rates[-1])} |")
         best[name] = median(rates)
         if len(runs) > 1:

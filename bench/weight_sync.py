@@ -103,8 +103,7 @@ def engine(model_path, control, answers, threads, profile=False):
     from vllm import LLM, SamplingParams
     import weight_transfer as wt
     from engine_process import ProbeAlong, never_pushed, vllm_probe_logps
-    register_gloo = wt.register_gloo
-    register_gloo()
+    wt.register_gloo()
     llm = LLM(model_path, seed=0, dtype="float32", enforce_eager=True, max_model_len=256,
               weight_transfer_config={"backend": "gloo"})
     skipped, old_group, times = never_pushed(model_path), None, collections.defaultdict(list)
