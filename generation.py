@@ -30,13 +30,11 @@ load straight to the next batch: had rank 0 waited to take a batch before asking
 would wait out that batch's reference request every step (the demo's engines idled 17 ms a step). A push
 waits for the batch being generated to finish. `ahead` 0 asks for each batch after the push: on-policy.
 
-The push is off the trainer's path: rank 0 copies the weights into a snapshot (transfer_clients.Snapshot),
-runs the trainer's side of the probe, and sends them on a thread of its own while the trainer takes its next
-batch and steps (the snapshot is what crosses, so the step's update cannot reach a push half sent). The
-calls go out without waiting for each other (transfer_clients.EngineClient), the batch requests behind the
-finish; the engine checks the probe on the first batch it generates after the load, as one more request in
-it (engine_process.ProbeAlong). Rank 0 sends nothing else until the push has landed (_landed), so every
-message keeps its place in the order above.
+The push is off the trainer's path: rank 0 snapshots the weights (transfer_clients.Snapshot), runs its side
+of the probe, and sends the snapshot on a thread of its own while the trainer steps on. The calls go out
+without waiting for each other (transfer_clients.EngineClient), the batch requests behind the finish; the
+engine checks the probe as one more request in the first batch after the load (engine_process.ProbeAlong).
+Rank 0 sends nothing else until the push has landed (_landed): every message keeps its place above.
 
 Weights cross by vLLM's own RL weight-transfer API (weight_transfer.py): NCCL between GPUs, CUDA IPC
 for an engine on the one training GPU, gloo on CPU, each push start -> update -> finish as vLLM defines
@@ -246,8 +244,7 @@ class GenerationProcess:
             self._landed()
 
     def _engines_live(self):
-        """The push thread's check while it waits for the engines' answers: an engine's death ends the push. It
-        never reads the engines' results (a dead engine's last words): rank 0's thread says them (check_alive)."""
+        """The push thread's check: an engine's death ends the push (check_alive says its last words)."""
         if (i := self._dead_engine()) is not None:
             raise RuntimeError(f"engine {i} died during a weight push")
 
@@ -338,7 +335,7 @@ class GenerationProcess:
         self.pushing = run_on_thread(self._push)
 
     def _push(self):
-        # on the push's thread: from the first call until every engine has answered (time/push_s)
+        """On the push's thread; time/push_s: from its first call until every engine has answered."""
         t0 = time.time()
         self.stream.run(self.transfer.send_weights)
         self.push_s = time.time() - t0
@@ -430,12 +427,16 @@ class GenerationProcess:
         evals, self.evals = self.evals, []
         return {k: v for e in evals for k, v in e.items()}
 
-    def stop(self):
-        """A push in flight lands (it and "stop" share the engines' queues), unless an engine is gone (a Ctrl-C's
-        SIGTERM reaches them too: the abort below ends it); then the engines shut their side of the weight
-        group down, and rank 0 its own."""
+    def stop(self, stopping=False):
+        """A push in flight lands (it and "stop" share the engines' queues) unless an engine is gone, then each
+        side shuts the weight group down. After a Ctrl-C (`stopping`), whose SIGTERM reaches the engines and the
+        reference server too, what the push meets is the stop, not an error (StopAfterStep.wait's rule)."""
         if self.pushing is not None and self._dead_engine() is None:
-            self._landed()
+            try:
+                self._landed()
+            except (SystemExit, Exception):
+                if not stopping:
+                    raise
         self._send({"kind": "stop"})
         # an engine on a training GPU is not started before the first push
         for proc in [p for p in self.procs if p.pid is not None]:

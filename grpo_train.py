@@ -292,7 +292,7 @@ def main(args):
                             new_reference=refresh)
         if refresh and master_process:
             gen.reload_reference(state["ref"], step)
-    shut_down(gen if master_process else None)
+    shut_down(gen if master_process else None, stop.requested)
     if master_process:
         log.close(state["step"], stop.resume if stop.requested else None)
 

@@ -404,10 +404,11 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
     return train_set, eval_set, too_long
 
 
-def shut_down(generation_process):
-    """The end of a run: rank 0 stops the generation process; every rank leaves the process group."""
+def shut_down(generation_process, stopping):
+    """The end of a run (`stopping`: after a Ctrl-C): rank 0 stops the generation process; every rank leaves
+    the process group."""
     if generation_process is not None:
-        generation_process.stop()
+        generation_process.stop(stopping)
     dist.barrier()
     dist.destroy_process_group()
     # the interpreter's last garbage collection walks the whole heap (torch, DeepSpeed, transformers) only
