@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine_process import GROUP_TIMEOUT, serve, vllm_dtype
+from engine_process import GROUP_TIMEOUT, engine_environment, serve, vllm_dtype
 from batches import merge_batches
 from lora import vllm_weights
 from placement import (default_gen_mem, reference_beside_engine, reference_device, start_reference_server,
@@ -176,11 +176,9 @@ class GenerationProcess:
                 self.results[-1], self.answers[-1])))
             # the child sees exactly its own GPU, whatever this process has initialised; set in the
             # environment it is spawned with, not inside it, where an import may already have used CUDA
-            self.starts.append((self.procs[-1], {
-                "CUDA_VISIBLE_DEVICES": str(device), "VLLM_CPU_KVCACHE_SPACE": str(gen_kv_gb),
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)} if not urls else {
-                # a server's engine process holds no model: no GPU for it
-                "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads)}))
+            # (a server's engine process holds no model: no GPU for it)
+            self.starts.append((self.procs[-1], engine_environment(device, gen_kv_gb, threads, cpu) if not urls
+                                else {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads)}))
         if not self.shared:
             self._start_engines()
         self.devices, self.ranks = devices, sum(ranks)

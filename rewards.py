@@ -28,9 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from functools import partial
 
-from math_verify import parse, verify
-from math_verify.errors import TimeoutException
-
 import sandbox
 
 _BODY = r"(?:(?!</?(?:think|answer)>).)*"  # any text without a think/answer tag in it
@@ -59,6 +56,9 @@ def gsm8k_reward(completion, sample):
     # math-verify's timeouts use signal.alarm, which only works in the main thread (elsewhere it raises
     # ValueError, which would silently score everything 0); off the main thread run without a timeout.
     t = 5 if threading.current_thread() is threading.main_thread() else None
+    # imported at the first use: 0.4 s (with sympy) at the start of every run, on tasks that never use it
+    from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
     try:
         g, p = parse(gold, parsing_timeout=t), parse(pred, parsing_timeout=t)
         return 1.0 if g and p and verify(g, p, timeout_seconds=t) else 0.0

@@ -16,7 +16,7 @@ import torch
 
 from batches import merge_batches
 from conftest import next_port, running
-from engine_process import shares_of_blocks
+from engine_process import engine_environment, shares_of_blocks
 from generation import GenerationProcess, engine_positions
 from ref_client import even_shares, server_urls
 from tasks import shuffled_forever
@@ -195,6 +195,23 @@ def test_a_server_lost_mid_push_is_said_in_its_own_line_whichever_thread_sees_it
     with pytest.raises(SystemExit) as said:
         gen.check_alive()
     assert str(said.value) == line
+
+
+def test_a_cpu_engine_runs_vllms_compiled_sampler_helpers_eagerly():
+    """The environment a CPU engine is spawned with leaves vLLM's torch.compile'd sampler helpers plain
+    functions (no inductor work before the first batch); without it, the installed vLLM compiles them (else
+    the setting has nothing left to do)."""
+    probe = ("import vllm.v1.sample.ops.topk_topp_sampler as s, vllm.v1.sample.ops.logprobs as l; "
+             "print([hasattr(f, '_torchdynamo_orig_callable') "
+             "for f in (s.compiled_random_sample, l.batched_count_greater_than)])")
+
+    def compiled(env):
+        out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, capture_output=True,
+                             text=True, timeout=300, check=True)
+        return out.stdout.strip().splitlines()[-1]
+
+    assert compiled(engine_environment("0", 1, 1, cpu=True)) == "[False, False]"
+    assert compiled(engine_environment("0", 1, 1, cpu=False)) == "[True, True]"
 
 
 def test_engine_and_server_flags(capsys):

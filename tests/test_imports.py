@@ -65,13 +65,15 @@ def test_no_import_cycle_among_the_top_level_modules():
     assert cycles(import_graph(ROOT)) == []
 
 
-def test_a_run_without_lora_never_imports_peft():
+def test_peft_and_math_verify_are_imported_only_by_the_runs_that_use_them():
     """peft takes 1.5 s to import (0.55 s of `import grpo_train`, median of 5 interleaved, once its share of
     transformers is counted elsewhere), and the generation process imports grpo_train.py again at its start:
-    only --lora-rank > 0 imports it (run_setup.load_policy)."""
+    only --lora-rank > 0 imports it (run_setup.load_policy). Likewise math-verify (0.4 s, with sympy): only
+    the gsm8k reward imports it, at its first answer."""
     import subprocess
     import sys
-    probe = "import sys, grpo_train; print(sorted(m for m in sys.modules if m.split('.')[0] == 'peft'))"
+    probe = ("import sys, grpo_train; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('peft', 'math_verify')))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
