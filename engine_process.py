@@ -36,8 +36,9 @@ def engine_environment(device, kv_gb, threads, cpu):
     """The environment a local engine's process is spawned with: its own GPU only, vLLM's engine core in
     this process, its threads. On CPU, torch.compile off: vLLM compiles two sampler helpers even with
     enforce_eager (v1/sample/ops: the random sample and the sampled token's rank; vLLM 0.26 to 0.32), which
-    costs the first batch 2 s of inductor's work; eager, they sample the same tokens. torch.compile reads the
-    variable where vLLM's modules define them: set before they are imported."""
+    cost the demo's first batch 1.5 s of inductor's work, 9 s with its cache empty; eager, they sample the
+    same tokens. torch.compile reads the variable where vLLM's modules define them: set before they are
+    imported."""
     env = {"CUDA_VISIBLE_DEVICES": str(device), "VLLM_CPU_KVCACHE_SPACE": str(kv_gb),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)}
     return {**env, "TORCHDYNAMO_DISABLE": "1"} if cpu else env
