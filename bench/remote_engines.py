@@ -26,6 +26,9 @@ import time
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# vLLM's sampler helpers eager, in this process's engine and the servers, as in docs/gpu.md's CPU line and a
+# CPU engine's process (engine_process.engine_environment)
+os.environ["TORCHDYNAMO_DISABLE"] = "1"
 from _common import ROOT, demo_model, machine, print_table  # noqa: E402
 
 OUT = os.path.join(ROOT, "runs", "bench", "remote_engines")
