@@ -7,6 +7,7 @@ reference servers score each batch, loads each push and checks it (the probe), a
 held-out set; and the process exits once its trainer is gone, whatever call it is blocked in."""
 import atexit
 import datetime
+import importlib.util
 import logging
 import os
 import queue
@@ -41,7 +42,18 @@ def engine_environment(device, kv_gb, threads, cpu):
     imported."""
     env = {"CUDA_VISIBLE_DEVICES": str(device), "VLLM_CPU_KVCACHE_SPACE": str(kv_gb),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads)}
-    return {**env, "TORCHDYNAMO_DISABLE": "1"} if cpu else env
+    return {**env, "TORCHDYNAMO_DISABLE": "1"} if cpu else {**env, **flashinfer_sampler_off()}
+
+
+def flashinfer_sampler_off():
+    """{"VLLM_USE_FLASHINFER_SAMPLER": "0"} where vLLM's CUDA build lacks FlashInfer, which it requires but a
+    --no-deps install (an offline one) can leave out: else vLLM's sampler imports it as the engine starts
+    (v1/sample/ops/topk_topp_sampler.py, flashinfer_sampler_supported: model runner V2's Sampler always, V1's
+    unless log-probs are processed; seen on vLLM 0.26.0 on one H200). {} where it is installed, or the
+    variable is set."""
+    if "VLLM_USE_FLASHINFER_SAMPLER" in os.environ or importlib.util.find_spec("flashinfer"):
+        return {}
+    return {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
 def _wait_until(done, check_alive):

@@ -43,8 +43,8 @@ every engine lives; an engine runs a watchdog thread that exits once its trainer
 whatever call it is blocked in, and one that drives a server ends, saying why in one line, once the server
 is gone or silent (remote_engine.watch_server). An engine says it is ready only once its weight group exists and a
 collective has crossed it (vLLM's NCCL init runs a warm-up all_reduce; the gloo group a handshake), so
-NCCL's lazily built communicator can never block the first push outside these checks. (Not yet run on
-GPUs: see docs/gpu.md.)
+NCCL's lazily built communicator can never block the first push outside these checks. (On a GPU, only the
+one-GPU layout with the gloo engine has run: see docs/gpu.md.)
 """
 import argparse
 import os

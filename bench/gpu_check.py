@@ -166,11 +166,12 @@ def step_one_prompts(train_cmd_flags, model):
 def standalone_tok_s(model, prompts, args, gpus):
     """A standalone vLLM (a plain LLM(): no log-probs) sampling `prompts` as the run's engine does, in this
     process once the run has ended -> sampled tokens/s of one call (after a warm-up call)."""
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     import torch
-    from vllm import LLM, SamplingParams
-    from engine_process import quiet_vllm_console
+    from engine_process import flashinfer_sampler_off, quiet_vllm_console
     cpu = not torch.cuda.is_available()
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+                      **({} if cpu else flashinfer_sampler_off()))
+    from vllm import LLM, SamplingParams
     if cpu:   # as the run's engine (--threads 1)
         torch.set_num_threads(1)
     llm = LLM(model, seed=args.seed, dtype="float32" if cpu else "bfloat16", enforce_eager=cpu,

@@ -379,7 +379,7 @@ def test_the_eight_gpu_layout_is_one_layout():
         flags = dict(zip(words, words[1:]))
         assert flags["--include"] == "localhost:2,3,4,5,6,7" and flags["--gen-device"] == "0", words
         assert flags["--ref-device"] == "1" and "--gen-devices" not in flags, words
-    assert "nothing has run end to end on a GPU yet" in README.read_text()
+    assert "The 8-GPU line below has not run" in README.read_text()
 
 
 def test_make_gpu_check_on_a_machine_without_a_gpu_is_one_line():
