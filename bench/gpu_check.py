@@ -183,7 +183,13 @@ def standalone_tok_s(model, prompts, args, gpus):
     llm.generate(batch[:2], params(2), use_tqdm=False)
     t = time.perf_counter()
     outs = llm.generate(batch, params(args.max_new_tokens), use_tqdm=False)
-    return sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t)
+    tok_s = sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t)
+    # vLLM's teardown of the process group it made in this process: else, on a GPU, torch warns at exit
+    # that it was never destroyed (seen on one H200), after the check's last line
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    del llm
+    cleanup_dist_env_and_memory()
+    return tok_s
 
 
 def mfu_line(rows, model, prompts, group_size, gpus):
