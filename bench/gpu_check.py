@@ -167,10 +167,10 @@ def standalone_tok_s(model, prompts, args, gpus):
     """A standalone vLLM (a plain LLM(): no log-probs) sampling `prompts` as the run's engine does, in this
     process once the run has ended -> sampled tokens/s of one call (after a warm-up call)."""
     import torch
-    from engine_process import flashinfer_sampler_off, quiet_vllm_console
+    from engine_process import engine_environment, quiet_vllm_console
     cpu = not torch.cuda.is_available()
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-                      **({} if cpu else flashinfer_sampler_off()))
+    # the environment the run's engine on GPU 0 (or the CPU) was spawned with, set before vLLM is imported
+    os.environ.update(engine_environment(0, 1, 1, cpu))
     from vllm import LLM, SamplingParams
     if cpu:   # as the run's engine (--threads 1)
         torch.set_num_threads(1)
