@@ -106,11 +106,20 @@ def reference_device(ref_device, gen_devices):
 
 def start_reference_server(model, device, checkpoint_dir, threads, fp32_lm_head=False):
     """Rank 0's own reference server (ref_server.py, run as a child process, as a user would run it): on
-    loopback, a port free now, a token made for it (in its environment, never on its command line, where
-    `ps` shows it; the engines, spawned after, read it from theirs), allowed to reload checkpoints of
-    `checkpoint_dir` (--ref-sync-every) -> (the process, its URL). It dies with rank 0, even by SIGKILL
-    (PR_SET_PDEATHSIG); GenerationProcess notices if it dies first."""
-    port = free_port()
+    loopback, on a port held for it from the start, a token made for it (in its environment, never on its
+    command line, where `ps` shows it; the engines, spawned after, read it from theirs), allowed to reload
+    checkpoints of `checkpoint_dir` (--ref-sync-every) -> (the process, its URL). It dies with rank 0, even
+    by SIGKILL (PR_SET_PDEATHSIG); GenerationProcess notices if it dies first."""
+    # the port is the server's from now on, not only once it has loaded its model and bound it: a socket
+    # bound to it goes with the server's process (pass_fds), so no bind(0) or connect() elsewhere is given
+    # the port meanwhile (a port released now and bound seconds later can be given to another process,
+    # and the server then dies of EADDRINUSE). The server binds it beside that socket, which never listens:
+    # Linux lets sockets share a port so where each sets SO_REUSEADDR (waitress 3.0.2 does, in
+    # TcpWSGIServer.__init__)
+    hold = socket.socket()
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hold.bind(("127.0.0.1", 0))
+    port = hold.getsockname()[1]
     os.environ["REF_SERVER_TOKEN"] = secrets.token_hex(16)
     gpu = device != "cpu"
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": device} if gpu else {})}
@@ -120,5 +129,6 @@ def start_reference_server(model, device, checkpoint_dir, threads, fp32_lm_head=
            *(["--fp32-lm-head"] if fp32_lm_head else [])]
     # Linux's parent-death signal: a SIGKILLed rank 0 takes its server with it
     die_with_parent = lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+    with hold:
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, pass_fds=[hold.fileno()])
     return proc, f"http://127.0.0.1:{port}"

@@ -1,5 +1,6 @@
 """ref_server: the wire format in-process, then the real server in a subprocess (started once for the module)."""
 import copy
+import errno
 import gc
 import http.client
 import json
@@ -1081,3 +1082,22 @@ def test_the_trainer_says_what_it_waits_for_and_what_to_do(tmp_path, tiny_model)
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
         stop_server(server, server_log_file)
+
+
+def test_the_server_a_run_starts_holds_its_port_from_the_start(tmp_path, tiny_model, monkeypatch):
+    """The reference server a run starts (placement.start_reference_server) has its port from the moment it
+    is started, not only once it has loaded its model and bound it: meanwhile no other process can bind
+    the port, and the server then listens there."""
+    from placement import start_reference_server
+    # the run's token, which it sets in this process's environment, is undone after the test
+    monkeypatch.setenv("REF_SERVER_TOKEN", "")
+    proc, url = start_reference_server(tiny_model, "cpu", str(tmp_path), 1)
+    try:
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        assert taken.value.errno == errno.EADDRINUSE
+        assert wait_for_server(url, timeout=120)["status"] == "ok"
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(30)
