@@ -421,9 +421,10 @@ class GenerationProcess:
         return self.take_evals()
 
     def take_evals(self):
-        """The evaluations that arrived since the last call, merged (the newest wins)."""
+        """The evaluations that arrived since the last call: the newest's keys, the others (several arrive
+        only at the end: the last pushes', waited for together) oldest first in "eval/earlier"."""
         evals, self.evals = self.evals, []
-        return {k: v for e in evals for k, v in e.items()}
+        return {**evals[-1], **({"eval/earlier": evals[:-1]} if len(evals) > 1 else {})} if evals else {}
 
     def stop(self, stopping=False):
         """A push in flight lands (it and "stop" share the engines' queues) unless an engine is gone, then each

@@ -255,8 +255,8 @@ class MetricsLog:
     warning), the plot metrics.png (plot.py) at the end and at each evaluation a minute or more after the
     last drawing, tensorboard and W&B if asked, completions.jsonl and eval_completions.jsonl
     (--log-completions), and the closing line. On resume the metrics file keeps the steps up to the
-    checkpoint, so it stays one line per step. With --eval-only it writes eval.json instead, beside the
-    checkpoint it evaluates (run_config.evaluate_as_trained)."""
+    checkpoint, so it stays one line per step, and one per evaluation that arrived with a later one. With
+    --eval-only it writes eval.json instead, beside the checkpoint it evaluates (run_config.evaluate_as_trained)."""
     # a drawing holds rank 0's loop 0.4 s (the first 0.9 s, importing matplotlib): drawn at every
     # evaluation of the demo (one in 10 steps of ~0.1 s) it was a fifth of the training time
     plot_every_s = 60.0
@@ -323,16 +323,15 @@ class MetricsLog:
     def write(self, log):
         if self.file is None:
             self.open()
+        # evaluations that arrived with a later one (at the end, the last pushes'): first, a line each
+        for earlier in log.pop("eval/earlier", []):
+            outputs = earlier.pop("eval/rows", None)
+            self.record({"step": log["step"], **earlier})
+            self.progress.say(f"eval {earlier['eval/accuracy']:.3f} (step {earlier['eval/step']})")
+            self.took_eval(earlier, outputs)
         samples, outputs = log.pop("samples", []), log.pop("eval/rows", None)
-        log["time/elapsed_s"] = time.time() - self.t_start
-        self.file.write(json.dumps(log) + "\n")
-        self.file.flush()
+        self.record(log)
         step = log["step"]
-        if self.tb:
-            for k, v in numbers(log).items():
-                self.tb.add_scalar(k, v, step)
-        if self.wandb:
-            self.wandb.log(numbers(log), step=step)
         # an evaluation arrives a step or so after the push it scores: its own step says which weights
         evals = f" | eval {log['eval/accuracy']:.3f} (step {log['eval/step']})" if "eval/step" in log else ""
         clipped = log.get("clip/low", 0) + log.get("clip/high", 0)
@@ -346,11 +345,27 @@ class MetricsLog:
         if self.log_completions and step % self.completions_every == 0:
             self.write_rows("completions.jsonl", {"step": step}, samples[:self.log_completions])
         if "eval/step" in log:
-            self.evals.append((log["eval/step"], log["eval/accuracy"]))
-            if self.log_completions and outputs:
-                self.write_rows("eval_completions.jsonl", {"eval/step": log["eval/step"]}, outputs)
-            if time.time() - self.plotted >= self.plot_every_s:
-                self.plot()
+            self.took_eval(log, outputs)
+
+    def record(self, row):
+        """A line of metrics.jsonl, with the time since the start, and its points in tensorboard and W&B."""
+        row["time/elapsed_s"] = time.time() - self.t_start
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.tb:
+            for k, v in numbers(row).items():
+                self.tb.add_scalar(k, v, row["step"])
+        if self.wandb:
+            self.wandb.log(numbers(row), step=row["step"])
+
+    def took_eval(self, row, outputs):
+        """An evaluation's share of the log: the closing line's before -> after, its held-out outputs
+        (--log-completions), and the plot if one is due."""
+        self.evals.append((row["eval/step"], row["eval/accuracy"]))
+        if self.log_completions and outputs:
+            self.write_rows("eval_completions.jsonl", {"eval/step": row["eval/step"]}, outputs)
+        if time.time() - self.plotted >= self.plot_every_s:
+            self.plot()
 
     def write_rows(self, name, head, rows, folder=None, mode="a"):
         """Rows (completions with what scored them), one JSON object each, appended to `name`."""

@@ -66,6 +66,20 @@ def free_port():
         return s.getsockname()[1]
 
 
+def held_port():
+    """A loopback port kept for a server that binds it later -> (a socket bound to it, never listening; the
+    port). A port released now and bound seconds later, once the server has started, can meanwhile be given
+    to any process's bind(0) or connect(), and the server then dies of EADDRINUSE. While this socket is open
+    none is given the port, and the server binds and listens on it beside the socket: Linux lets sockets
+    share a port where each sets SO_REUSEADDR and only one listens. The servers it is held for set it:
+    waitress 3.0.2 (TcpWSGIServer.__init__: ref_server.py), and Python's socket.create_server (the trainer's
+    rendezvous: tcp_store)."""
+    hold = socket.socket()
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hold.bind(("127.0.0.1", 0))
+    return hold, hold.getsockname()[1]
+
+
 def tcp_store(host, port, world_size=None, *, is_master, **kwargs):
     """torch's TCPStore at host:port; its master listens on `host` alone. Given none, torch 2.13's server
     listens on every interface, whatever host it is given (TCPStoreLibUvBackend.cpp, UvTcpServer::makeWithPort:
@@ -110,16 +124,9 @@ def start_reference_server(model, device, checkpoint_dir, threads, fp32_lm_head=
     command line, where `ps` shows it; the engines, spawned after, read it from theirs), allowed to reload
     checkpoints of `checkpoint_dir` (--ref-sync-every) -> (the process, its URL). It dies with rank 0, even
     by SIGKILL (PR_SET_PDEATHSIG); GenerationProcess notices if it dies first."""
-    # the port is the server's from now on, not only once it has loaded its model and bound it: a socket
-    # bound to it goes with the server's process (pass_fds), so no bind(0) or connect() elsewhere is given
-    # the port meanwhile (a port released now and bound seconds later can be given to another process,
-    # and the server then dies of EADDRINUSE). The server binds it beside that socket, which never listens:
-    # Linux lets sockets share a port so where each sets SO_REUSEADDR (waitress 3.0.2 does, in
-    # TcpWSGIServer.__init__)
-    hold = socket.socket()
-    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    hold.bind(("127.0.0.1", 0))
-    port = hold.getsockname()[1]
+    # the port is the server's from now on, not only once it has loaded its model and bound it: the socket
+    # holding it goes with the server's process (pass_fds), which binds the port beside it
+    hold, port = held_port()
     os.environ["REF_SERVER_TOKEN"] = secrets.token_hex(16)
     gpu = device != "cpu"
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": device} if gpu else {})}

@@ -49,7 +49,7 @@ import time
 
 from _common import ROOT, random_model, stop_at_random_lengths
 from gpu_bench import CONFIGS, VOCAB, train_flops
-from placement import free_port
+from placement import held_port
 
 # The GPU recipe's shape (docs/gpu.md); --tiny: small enough for a CPU, with every stage still run.
 RECIPE = dict(steps=20, prompts_per_step=32, group_size=8, max_new_tokens=512, max_prompt_len=512,
@@ -93,7 +93,9 @@ def run_grpo(a, s, model, out, gpus):
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
                                                   os.path.join(sys.prefix, "torch_extensions"))}
     deepspeed = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or "deepspeed"
-    train_cmd = [deepspeed, "--master_port", str(free_port()), "grpo_train.py", "--model", model,
+    # the launcher's port, held until the run ends: the trainer's rendezvous binds it once it has started
+    hold, port = held_port()
+    train_cmd = [deepspeed, "--master_port", str(port), "grpo_train.py", "--model", model,
                  "--task", "countdown", "--rewards", "countdown,format:0.5", "--out-dir", out,
                  "--lr", str(a.lr), "--beta", "0.04", "--eval-every", "25",
                  "--save-every", "50", "--sync-tol", str(a.sync_tol),
@@ -119,6 +121,7 @@ def run_grpo(a, s, model, out, gpus):
         if run.poll() is None:   # the launcher's whole group: deepspeed's runner does not pass signals on
             os.killpg(run.pid, 15)
             run.wait(timeout=60)
+        hold.close()
     if run.returncode:
         raise SystemExit(f"gpu_check: grpo_train.py failed (exit code {run.returncode}); its output is above")
     return time.time() - t, said.group(0) if said else "vLLM ? (no start-up line seen)"
@@ -230,7 +233,7 @@ def check_run(out, model, steps, tol):
     """-> the summary line; raises SystemExit naming the first thing that is wrong."""
     from safetensors.torch import load_file
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+        rows = [r for r in map(json.loads, f) if "time/train_s" in r]   # the steps' lines
     problems = []
     if [r["step"] for r in rows] != list(range(1, steps + 1)):
         problems.append(f"metrics.jsonl has steps {[r['step'] for r in rows]}, not 1..{steps}")

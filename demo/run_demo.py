@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from placement import free_port
+from placement import held_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,7 +67,10 @@ def main(argv=None):
     # the deepspeed launcher, started at the same time: the trainer waits for the servers (--ref-wait), so
     # their start-ups overlap. The launcher gets a process group of its own: deepspeed's runner does not
     # pass signals on, so the group gets them.
-    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(a.ref_servers)] if a.ref_servers > 1 else []
+    # Their ports and the launcher's are held from now to the end (placement.held_port): the servers and the
+    # trainer's rendezvous bind them seconds from now, once their imports are done.
+    holds = [held_port() for _ in range(a.ref_servers if a.ref_servers > 1 else 0)] + [held_port()]
+    urls = [f"http://127.0.0.1:{port}" for _, port in holds[:-1]]
     env["REF_SERVER_TOKEN"] = secrets.token_hex(16)
     servers = [subprocess.Popen([sys.executable, "ref_server.py", "--model", model_dir, "--port", url.rsplit(":", 1)[1],
                                  "--threads", "1", "--checkpoint-dir", out], cwd=ROOT, env=env) for url in urls]
@@ -78,7 +81,7 @@ def main(argv=None):
         # the launcher at --log_level warning: its INFO lines (its environment, each rank's command) are for
         # debugging the launcher; its warnings and errors still show
         run = subprocess.Popen([deepspeed, "--log_level", "warning", "--num_gpus", str(a.world_size),
-                                "--master_port", str(free_port()),
+                                "--master_port", str(holds[-1][1]),
                                 "grpo_train.py", "--model", model_dir, "--out-dir", out,
                                 *(["--ref-url", ",".join(urls)] if urls else []),
                                 "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
@@ -100,6 +103,8 @@ def main(argv=None):
         for server in servers:
             server.terminate()
             server.wait(timeout=30)
+        for hold, _ in holds:
+            hold.close()
 
     # 4. before -> after, and the plot the trainer drew
     with open(os.path.join(out, "metrics.jsonl")) as f:

@@ -104,7 +104,8 @@ def one_step_flags(out_dir, model, micro_batch):
 def step_result(out_dir):
     from safetensors.torch import load_file
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        (row,) = map(json.loads, f)
+        # the step's line (the starting weights' evaluation arrives with the last one: a line of its own)
+        (row,) = [r for r in map(json.loads, f) if "loss" in r]
     return row, load_file(os.path.join(out_dir, "step_1", "model.safetensors"))
 
 
@@ -234,12 +235,17 @@ def test_real_task_plumbing_end_to_end(tmp_path, tiny_model, task, rewards):
     cmd = [DEEPSPEED, "--num_gpus", "1", "--master_port", str(next_port()), "grpo_train.py", "--model", tiny_model,
            "--out-dir", str(tmp_path), "--task", task, "--rewards", rewards, *data, "--steps", "2", "--beta", "0",
            "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "16", "--overlong-buffer", "15",
-           "--max-prompt-len", "400", "--eval-every", "1", "--eval-size", "4"]
+           "--max-prompt-len", "400", "--eval-every", "1", "--eval-size", "4", "--log-completions", "4"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     with open(tmp_path / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f]
+        lines = [json.loads(line) for line in f]
+    # a line per step; the evaluations of steps 1 and 2 both arrive at the end: step 1's has a line of its own
+    rows = [r for r in lines if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["eval/step"] == 2
+    assert [(r["step"], r["eval/step"]) for r in lines if "eval/step" in r] == [(1, 0), (2, 1), (2, 2)]
+    with open(tmp_path / "eval_completions.jsonl") as f:
+        assert [json.loads(line)["eval/step"] for line in f] == [0] * 4 + [1] * 4 + [2] * 4
     names = [part.split(":")[0] for part in rewards.split(",")]
     assert all(f"reward/{n}" in r and r["reward/errors"] == 0 for r in rows for n in names)
     assert 0 <= rows[-1]["eval/accuracy"] <= 1

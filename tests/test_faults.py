@@ -1,4 +1,6 @@
 """Faults during a run, through the real deepspeed launcher: each is noticed, named, and ends the run cleanly."""
+import datetime
+import errno
 import json
 import os
 import re
@@ -571,6 +573,29 @@ def test_mistakes_of_the_config_file_and_the_logging_flags_are_one_line(tmp_path
     for name in ("requirements.txt", "requirements-cpu.txt"):
         lines = open(os.path.join(ROOT, name)).read().splitlines()
         assert all(pin in lines for _, pin in PACKAGES.values()), name
+
+
+def test_a_port_held_for_the_rendezvous_is_no_one_elses_and_rank_0_listens_on_it(monkeypatch):
+    """demo/run_demo.py and bench/gpu_check.py hold the launcher's --master_port from the moment they choose
+    it (placement.held_port) until the run ends, where a port chosen free and released could be given to
+    another process before rank 0 binds it, seconds later. While held, no other socket can bind it, and
+    rank 0's rendezvous server (placement.master_store) binds and listens on it beside the held socket."""
+    import socket
+    import torch.distributed as dist
+    from placement import held_port, master_store
+    hold, port = held_port()
+    with hold:
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+        for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port)}.items():
+            monkeypatch.setenv(name, value)
+        store = master_store(datetime.timedelta(seconds=30))
+        assert store is not None
+        client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=30))
+        client.set("rank 1", "here")
+        assert store.get("rank 1") == b"here"
 
 
 def test_a_port_another_run_holds_is_one_line_naming_master_port(tmp_path, tiny_model):
