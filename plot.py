@@ -22,6 +22,12 @@ def read_metrics(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def step_lines(path):
+    """A run's metrics.jsonl, its steps' lines alone: less the line of an evaluation that arrived with a
+    later one, at the end, which has no `loss` (docs/metrics.md)."""
+    return [r for r in read_metrics(path) if "loss" in r]
+
+
 def plot_metrics(metrics_jsonl_path, out_png, title="GRPO"):
     """Four panels of a run's metrics per step (an evaluation at the step whose weights it scored,
     eval/step), minutes since the metrics log opened on the top axis. Returns out_png. Uses matplotlib's

@@ -50,6 +50,7 @@ import time
 from _common import ROOT, random_model, stop_at_random_lengths
 from gpu_bench import CONFIGS, VOCAB, train_flops
 from placement import held_port
+from plot import step_lines
 
 # The GPU recipe's shape (docs/gpu.md); --tiny: small enough for a CPU, with every stage still run.
 RECIPE = dict(steps=20, prompts_per_step=32, group_size=8, max_new_tokens=512, max_prompt_len=512,
@@ -232,8 +233,7 @@ def phases(rows):
 def check_run(out, model, steps, tol):
     """-> the summary line; raises SystemExit naming the first thing that is wrong."""
     from safetensors.torch import load_file
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [r for r in map(json.loads, f) if "time/train_s" in r]   # the steps' lines
+    rows = step_lines(os.path.join(out, "metrics.jsonl"))
     problems = []
     if [r["step"] for r in rows] != list(range(1, steps + 1)):
         problems.append(f"metrics.jsonl has steps {[r['step'] for r in rows]}, not 1..{steps}")

@@ -13,13 +13,13 @@ leaves out the steps whose wait took in a held-out evaluation (the generation pr
 The per-step means below the table say where a step's time goes.
 """
 import argparse
-import json
 import os
 import subprocess
 import sys
 from statistics import fmean
 
 from _common import ROOT, demo_model, machine, print_table
+from plot import step_lines
 
 
 def run_demo(a):
@@ -47,7 +47,7 @@ def main():
     p.add_argument("--ref-servers", type=int, default=1, help="reference servers of the demo run")
     a = p.parse_args()
     path = a.metrics or run_demo(a)
-    rows = [r for r in map(json.loads, open(path)) if "time/train_s" in r]   # the steps' lines
+    rows = step_lines(path)
     missing = [k for k in ("time/wait_s", "time/gen_idle_s", "time/elapsed_s") if k not in rows[-1]]
     if "time/wait_s" in missing or "time/elapsed_s" in missing:
         raise SystemExit(f"{path} has no {missing}: written by an older grpo_train.py")

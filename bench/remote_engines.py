@@ -16,7 +16,6 @@ process, as an engine process runs it) and through remote_engine.ServerLLM on a 
 share costs once, and what each decoded token adds.
 """
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -68,6 +67,7 @@ def run(model, name, steps, engines_flags):
     """The demo's run through the deepspeed launcher -> its metrics rows."""
     from demo.run_demo import TRAIN_FLAGS
     from placement import free_port
+    from plot import step_lines
     out = os.path.join(OUT, name)
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [deepspeed, "--num_gpus", "1", "--master_port", str(free_port()), "grpo_train.py", "--model", model,
@@ -78,8 +78,7 @@ def run(model, name, steps, engines_flags):
         print(f"running {name}: {' '.join(cmd[5:])}", flush=True)
         subprocess.run(cmd, cwd=ROOT, env={**env, "DS_ACCELERATOR": "cpu"}, stdout=log, stderr=subprocess.STDOUT,
                        check=True)
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "time/train_s" in r]   # the steps' lines
+    return step_lines(os.path.join(out, "metrics.jsonl"))
 
 
 def lost(line):

@@ -70,7 +70,8 @@ def main(argv=None):
     # Their ports and the launcher's are held from now to the end (placement.held_port): the servers and the
     # trainer's rendezvous bind them seconds from now, once their imports are done.
     holds = [held_port() for _ in range(a.ref_servers if a.ref_servers > 1 else 0)] + [held_port()]
-    urls = [f"http://127.0.0.1:{port}" for _, port in holds[:-1]]
+    *server_ports, master_port = [port for _, port in holds]
+    urls = [f"http://127.0.0.1:{port}" for port in server_ports]
     env["REF_SERVER_TOKEN"] = secrets.token_hex(16)
     servers = [subprocess.Popen([sys.executable, "ref_server.py", "--model", model_dir, "--port", url.rsplit(":", 1)[1],
                                  "--threads", "1", "--checkpoint-dir", out], cwd=ROOT, env=env) for url in urls]
@@ -81,7 +82,7 @@ def main(argv=None):
         # the launcher at --log_level warning: its INFO lines (its environment, each rank's command) are for
         # debugging the launcher; its warnings and errors still show
         run = subprocess.Popen([deepspeed, "--log_level", "warning", "--num_gpus", str(a.world_size),
-                                "--master_port", str(holds[-1][1]),
+                                "--master_port", str(master_port),
                                 "grpo_train.py", "--model", model_dir, "--out-dir", out,
                                 *(["--ref-url", ",".join(urls)] if urls else []),
                                 "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--seed", str(a.seed),

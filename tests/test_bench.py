@@ -81,7 +81,7 @@ def test_overlap_report_from_a_known_metrics_file(tmp_path):
     rows += [{"step": s, "time/elapsed_s": 10.0 + s - 1, "time/wait_s": 0.25, "time/gen_idle_s": 0.5}
              for s in range(2, 6)]
     for r in rows:
-        r.update({"time/gen_s": 0.5, "time/ref_s": 0.2, "time/train_s": 0.5, "time/sync_s": 0.05})
+        r.update({"loss": 0.0, "time/gen_s": 0.5, "time/ref_s": 0.2, "time/train_s": 0.5, "time/sync_s": 0.05})
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = run("bench/overlap.py", "--metrics", str(path), timeout=120)
