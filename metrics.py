@@ -255,7 +255,8 @@ class MetricsLog:
     warning), the plot metrics.png (plot.py) at the end and at each evaluation a minute or more after the
     last drawing, tensorboard and W&B if asked, completions.jsonl and eval_completions.jsonl
     (--log-completions), and the closing line. On resume the metrics file keeps the steps up to the
-    checkpoint, so it stays one line per step, and one per evaluation that arrived with a later one. With
+    checkpoint, so it stays one line per step, and one per evaluation that arrived with a later one or after
+    the last line (a stopped run). With
     --eval-only it writes eval.json instead, beside the checkpoint it evaluates (run_config.evaluate_as_trained)."""
     # a drawing holds rank 0's loop 0.4 s (the first 0.9 s, importing matplotlib): drawn at every
     # evaluation of the demo (one in 10 steps of ~0.1 s) it was a fifth of the training time
@@ -321,14 +322,8 @@ class MetricsLog:
             yaml.safe_dump(kept, f, sort_keys=False)
 
     def write(self, log):
-        if self.file is None:
-            self.open()
         # evaluations that arrived with a later one (at the end, the last pushes'): first, a line each
-        for earlier in log.pop("eval/earlier", []):
-            outputs = earlier.pop("eval/rows", None)
-            self.record({"step": log["step"], **earlier})
-            self.progress.say(f"eval {earlier['eval/accuracy']:.3f} (step {earlier['eval/step']})")
-            self.took_eval(earlier, outputs)
+        self.write_evals(log["step"], log.pop("eval/earlier", []))
         samples, outputs = log.pop("samples", []), log.pop("eval/rows", None)
         self.record(log)
         step = log["step"]
@@ -346,6 +341,17 @@ class MetricsLog:
             self.write_rows("completions.jsonl", {"step": step}, samples[:self.log_completions])
         if "eval/step" in log:
             self.took_eval(log, outputs)
+
+    def write_evals(self, step, evals):
+        """Evaluations without a step's line to ride: a line each (`step`, their eval/* keys, the time),
+        their held-out outputs and a console line."""
+        if self.file is None:
+            self.open()
+        for row in evals:
+            outputs = row.pop("eval/rows", None)
+            self.record({"step": step, **row})
+            self.progress.say(f"eval {row['eval/accuracy']:.3f} (step {row['eval/step']})")
+            self.took_eval(row, outputs)
 
     def record(self, row):
         """A line of metrics.jsonl, with the time since the start, and its points in tensorboard and W&B."""
@@ -385,10 +391,13 @@ class MetricsLog:
                 self.progress.say(f"no plot: {e.name} is not installed (pip install -r requirements.txt)")
             self.plot_failed = True
 
-    def close(self, step, resume=None):
-        """The end of a run (resume: the line that continues a stopped one): the plot, tensorboard's and
+    def close(self, step, resume=None, evals=None):
+        """The end of a run (resume: the line that continues a stopped one): the evaluations that arrived
+        after the last line (a stopped run's; take_evals' form), a line each; the plot, tensorboard's and
         W&B's files closed, and the closing line: held-out accuracy before -> after, the steps, the wall
         time since the launch, the last checkpoint."""
+        if evals:
+            self.write_evals(step, [*evals.pop("eval/earlier", []), evals])
         if self.file is None:
             return
         self.plot()

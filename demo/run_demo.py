@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import torch
 
 from placement import held_port
@@ -26,6 +27,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_FLAGS = ["--task", "demo", "--rewards", "demo", "--lr", "3e-4", "--beta", "0.04",
                "--prompts-per-step", "16", "--group-size", "8", "--max-new-tokens", "12",
                "--max-prompt-len", "16", "--temperature", "1.0", "--micro-batch", "64", "--eval-size", "200"]
+
+
+def group_ended(group, timeout):
+    """Wait until no process of process group `group` runs (an ended one its parent has not collected yet
+    counts as ended), at most `timeout` seconds -> whether none does."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        running = []
+        for p in psutil.process_iter(["status"]):
+            try:
+                running += [p] if os.getpgid(p.pid) == group and p.info["status"] != psutil.STATUS_ZOMBIE else []
+            except ProcessLookupError:   # it ended while we looked
+                pass
+        if not running:
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def main(argv=None):
@@ -87,6 +105,11 @@ def main(argv=None):
                                 *(["--ref-url", ",".join(urls)] if urls else []),
                                 "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
                                 *TRAIN_FLAGS, *fresh, *extra], cwd=ROOT, env=env, start_new_session=True)
+        # Ctrl-C reaches this process's group, not the launcher's: each one is passed on, as a terminal
+        # passes it to a launch by hand (docs/checkpoints.md: the ranks finish the step, save it and print
+        # the line that continues the run; a second stops at once)
+        stopped = []
+        signal.signal(signal.SIGINT, lambda signum, frame: stopped.append(os.killpg(run.pid, signal.SIGINT)))
         try:
             while run.poll() is None:   # a server that dies stops the run now, not after --ref-wait
                 for server in servers:
@@ -94,6 +117,11 @@ def main(argv=None):
                         raise SystemExit(f"run_demo: ref_server.py exited with code {server.returncode} (its error "
                                          f"is above)")
                 time.sleep(0.5)
+            # the launcher's runner ends at once at a Ctrl-C, while the ranks save: wait for them too
+            if stopped and not group_ended(run.pid, timeout=90):
+                os.killpg(run.pid, signal.SIGKILL)
+            if stopped:
+                raise SystemExit(128 + signal.SIGINT)
             if run.returncode != 0:
                 raise SystemExit(f"run_demo: grpo_train.py failed (exit code {run.returncode})")
         finally:

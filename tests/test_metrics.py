@@ -143,6 +143,31 @@ def test_the_closing_line_completions_and_held_out_outputs(tmp_path, capsys):
     assert saved["lr"] == 0.5 and saved["data"] == "my.jsonl" and not set(NOT_IN_CONFIG) & set(saved)
 
 
+def test_a_stopped_run_keeps_the_evaluations_that_arrived_after_its_last_line(tmp_path, capsys):
+    """Ctrl-C after step 2: the evaluations of steps 1 and 2 had arrived, in take_evals' form (the
+    newest, the older in eval/earlier), after step 2's line. Each gets a line of its own after it, its
+    held-out outputs and a console line, and the closing line's "after" is the newest."""
+    log = MetricsLog(0, out_dir=str(tmp_path), steps=10, log_completions=1)
+    row = {"reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "entropy": 1.0, "completion_len/mean": 5.0,
+           "frac_zero_std": 0.5}
+    outputs = [{"prompt": "9+1=", "completion": "<answer>10</answer>", "accuracy": 1.0}]
+    log.write({"step": 1, **row, "eval/accuracy": 0.25, "eval/step": 0, "eval/rows": outputs})
+    log.write({"step": 2, **row})
+    arrived = {"eval/accuracy": 0.75, "eval/step": 2, "eval/rows": outputs,
+               "eval/earlier": [{"eval/accuracy": 0.5, "eval/step": 1, "eval/rows": outputs}]}
+    log.close(2, resume="deepspeed grpo_train.py --model m/m --resume", evals=arrived)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "loss" in r, r.get("eval/step")) for r in lines] == [
+        (1, True, 0), (2, True, None), (2, False, 1), (2, False, 2)]
+    assert [r["eval/accuracy"] for r in lines[2:]] == [0.5, 0.75]
+    held_out = [json.loads(line) for line in (tmp_path / "eval_completions.jsonl").read_text().splitlines()]
+    assert [r["eval/step"] for r in held_out] == [0, 1, 2]
+    said = capsys.readouterr().out.splitlines()
+    assert said[-4:-2] == ["eval 0.500 (step 1)", "eval 0.750 (step 2)"], said
+    assert said[-2].startswith("stopped after step 2 of 10 (Ctrl-C): held-out accuracy 0.250 (step 0) -> "
+                               "0.750 (step 2); steps 1-2 in "), said
+
+
 def test_the_plot_at_most_once_a_minute_during_a_run(tmp_path):
     """metrics.png during a run: at an evaluation a minute or more after the start or the last drawing,
     never at one sooner (each drawing holds rank 0's loop), and at the end."""
