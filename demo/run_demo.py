@@ -143,4 +143,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:   # Ctrl-C before the launch (the model's build): nothing to save
+        sys.exit(128 + signal.SIGINT)

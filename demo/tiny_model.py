@@ -4,6 +4,7 @@ The CPU attention of vLLM 0.32 accepts head_dim in {32, 64, 80, ...} only, so hi
 """
 import argparse
 import string
+import sys
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -129,4 +130,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:   # Ctrl-C: nothing saved, nothing to say
+        sys.exit(130)

@@ -290,6 +290,27 @@ def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, 
         assert "grpo_train.py: the reference server this run started died (exit code -9)" in said, said[-3000:]
 
 
+def test_ctrl_c_while_the_demo_builds_its_model_ends_it_without_a_traceback(tmp_path):
+    """Ctrl-C (SIGINT to the demo's process group, as a terminal sends it) during the warm start of the
+    model the demo builds: the demo and its build end, exit code 130, and no traceback is printed."""
+    log = tmp_path / "run.log"
+    proc = subprocess.Popen([sys.executable, "-m", "demo.run_demo", "--out-dir", str(tmp_path)], cwd=ROOT,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    RUNS.append(proc)
+    deadline = time.time() + 120
+    while "warm-start step" not in log.read_text():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    family = family_of(proc.pid)
+    assert any("demo.tiny_model" in command_of(p) for p in family)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    assert_all_gone(family)
+    said = log.read_text()
+    assert "Traceback" not in said and not (tmp_path / "model").exists(), said[-3000:]
+
+
 def test_resume_after_sigkill_continues_the_run_and_samples_from_the_checkpoint(tmp_path, demo_model):
     """SIGKILL to every process after step 5 (checkpoints every 2 steps); --resume continues after the latest
     checkpoint with its data position, counters and metrics, and ends with steps 1..20, each once. (20
