@@ -256,8 +256,8 @@ class MetricsLog:
     last drawing, tensorboard and W&B if asked, completions.jsonl and eval_completions.jsonl
     (--log-completions), and the closing line. On resume the metrics file keeps the steps up to the
     checkpoint, so it stays one line per step, and one per evaluation that arrived with a later one or after
-    the last line (a stopped run). With
-    --eval-only it writes eval.json instead, beside the checkpoint it evaluates (run_config.evaluate_as_trained)."""
+    the last line (a stopped run). With --eval-only it writes eval.json instead, beside the checkpoint it
+    evaluates (run_config.evaluate_as_trained)."""
     # a drawing holds rank 0's loop 0.4 s (the first 0.9 s, importing matplotlib): drawn at every
     # evaluation of the demo (one in 10 steps of ~0.1 s) it was a fifth of the training time
     plot_every_s = 60.0

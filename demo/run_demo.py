@@ -8,6 +8,7 @@ deepspeed launcher, one launch: rank 0 starts the reference server and the vLLM 
     python -m demo.run_demo [--steps N] [--world-size 2] [-- extra grpo_train.py flags]
 """
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -109,7 +110,12 @@ def main(argv=None):
         # passes it to a launch by hand (docs/checkpoints.md: the ranks finish the step, save it and print
         # the line that continues the run; a second stops at once)
         stopped = []
-        signal.signal(signal.SIGINT, lambda signum, frame: stopped.append(os.killpg(run.pid, signal.SIGINT)))
+
+        def pass_on(signum, frame):
+            stopped.append(signum)
+            with contextlib.suppress(ProcessLookupError):   # the run has ended
+                os.killpg(run.pid, signal.SIGINT)
+        signal.signal(signal.SIGINT, pass_on)
         try:
             while run.poll() is None:   # a server that dies stops the run now, not after --ref-wait
                 for server in servers:
