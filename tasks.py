@@ -146,9 +146,8 @@ def local_records(data: str, split: str) -> list[tuple[str, dict]] | None:
 
 def gsm8k_samples(split: str, data: str | None, tokenizer, chat_template: str) -> list[dict] | None:
     if data is None:   # from the hub (needs the internet once; cached by datasets afterwards)
-        import datasets
-        records = [(f"openai/gsm8k {split} row {i}", r)
-                   for i, r in enumerate(datasets.load_dataset("openai/gsm8k", "main", split=split), 1)]
+        records = hub_records("openai/gsm8k", split, config="main", lead="--task gsm8k without --data "
+                              "reads openai/gsm8k from the hub (--data: a local copy)")
     elif (records := local_records(data, split)) is None:
         return None
     out = []
@@ -312,15 +311,17 @@ def custom_samples(split: str, data: str | None, tokenizer, prompt_key: str, ans
     return out
 
 
-def hub_records(data: str, split: str) -> list[tuple[str, dict]] | None:
-    """(where, record) of `split` of hub dataset `data` (None for a test split it lacks; needs the internet
-    once, cached by datasets afterwards). The hub is asked first, within HUB_TIMEOUT, whether it has that
-    dataset: a name it does not know, or a hub it cannot reach, is one DataError, where datasets would retry
-    for 35 s and end in a ConnectionError. With HF_HUB_OFFLINE=1, datasets' cache alone answers."""
+def hub_records(data: str, split: str, config: str | None = None,
+                lead: str | None = None) -> list[tuple[str, dict]] | None:
+    """(where, record) of `split` of hub dataset `data` (its `config`; None for a test split it lacks; needs
+    the internet once, cached by datasets afterwards). The hub is asked first, within HUB_TIMEOUT, whether it
+    has that dataset: a name it does not know, or a hub it cannot reach, is one DataError, where datasets
+    would retry for 25-35 s and end in a ConnectionError. With HF_HUB_OFFLINE=1, datasets' cache alone
+    answers. lead: what an error says first (a --data name's: no such file or folder)."""
     import datasets
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
-    missing = f"--data {data}: no such file or folder"
+    missing = lead or f"--data {data}: no such file or folder"
     if not datasets.config.HF_HUB_OFFLINE:
         try:
             HfApi().dataset_info(data, timeout=HUB_TIMEOUT)
@@ -333,7 +334,7 @@ def hub_records(data: str, split: str) -> list[tuple[str, dict]] | None:
             raise DataError(f"{missing}, and the hub cannot be reached to look for a dataset of that name "
                             f"({type(e).__name__}); HF_HUB_OFFLINE=1 reads one from datasets' cache") from None
     try:
-        splits = datasets.load_dataset(data)
+        splits = datasets.load_dataset(data, config)
     except datasets.exceptions.DatasetNotFoundError:
         raise DataError(f"{missing}, nor a dataset on the hub") from None
     except ConnectionError as e:   # offline, and not in the cache

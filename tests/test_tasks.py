@@ -294,7 +294,7 @@ def test_data_mistakes_stop_the_run_with_one_line(tmp_path, capsys):
 def test_a_name_that_is_no_file_a_lone_surrogate_or_a_test_it_cannot_judge_is_one_line(tmp_path, monkeypatch, capsys):
     """Each was a traceback: a --data name existing only as a broken link, and a name that is neither file
     nor folder while the hub cannot be reached, were looked for on the hub (35 s of retries here,
-    then a ConnectionError); a prompt holding a lone surrogate (\\ud800 in the JSON) was a tokenizer's
+    then a ConnectionError), as --task gsm8k without --data read openai/gsm8k; a prompt holding a lone surrogate (\\ud800 in the JSON) was a tokenizer's
     TypeError. A test the code reward cannot judge went unnoticed until every completion scored nan. Now
     each stops the run, at once, in one line naming the flag, or the file and line."""
     import huggingface_hub
@@ -317,6 +317,14 @@ def test_a_name_that_is_no_file_a_lone_surrogate_or_a_test_it_cannot_judge_is_on
         err = capsys.readouterr().err
         said = re.escape(f"grpo_train.py: {line}").replace(r"\*", r"\w+")
         assert stop.value.code == 1 and err.count("\n") == 1 and re.match(said, err), err
+    # --task gsm8k without --data reads the hub's openai/gsm8k: 25 s of retries, then a traceback, before
+    with pytest.raises(SystemExit) as stop:
+        load_prompts(None, task="gsm8k", data=None)
+    err = capsys.readouterr().err
+    said = re.escape("grpo_train.py: --task gsm8k without --data reads openai/gsm8k from the hub (--data: a "
+                     "local copy), and the hub cannot be reached to look for a dataset of that name (*); "
+                     "HF_HUB_OFFLINE=1 reads one from datasets' cache").replace(r"\*", r"\w+")
+    assert stop.value.code == 1 and err.count("\n") == 1 and re.match(said, err), err
     # a real dataset name is still the hub's to answer: an unknown one is one line too
     with pytest.raises(tasks.DataError, match="no such file or folder, nor a dataset on the hub"):
         tasks.load_task("custom", "train", data="not a dataset name!", tokenizer=TOK)
