@@ -345,8 +345,6 @@ class MetricsLog:
     def write_evals(self, step, evals):
         """Evaluations without a step's line to ride: a line each (`step`, their eval/* keys, the time),
         their held-out outputs and a console line."""
-        if self.file is None:
-            self.open()
         for row in evals:
             outputs = row.pop("eval/rows", None)
             self.record({"step": step, **row})
@@ -354,7 +352,10 @@ class MetricsLog:
             self.took_eval(row, outputs)
 
     def record(self, row):
-        """A line of metrics.jsonl, with the time since the start, and its points in tensorboard and W&B."""
+        """A line of metrics.jsonl (opened at the first), with the time since the start, and its points in
+        tensorboard and W&B."""
+        if self.file is None:
+            self.open()
         row["time/elapsed_s"] = time.time() - self.t_start
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()

@@ -33,18 +33,15 @@ TRAIN_FLAGS = ["--task", "demo", "--rewards", "demo", "--lr", "3e-4", "--beta", 
 def group_ended(group, timeout):
     """Wait until no process of process group `group` runs (an ended one its parent has not collected yet
     counts as ended), at most `timeout` seconds -> whether none does."""
+    def running(p):
+        with contextlib.suppress(ProcessLookupError):   # it ended while we looked
+            return os.getpgid(p.pid) == group and p.info["status"] != psutil.STATUS_ZOMBIE
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        running = []
-        for p in psutil.process_iter(["status"]):
-            try:
-                running += [p] if os.getpgid(p.pid) == group and p.info["status"] != psutil.STATUS_ZOMBIE else []
-            except ProcessLookupError:   # it ended while we looked
-                pass
-        if not running:
-            return True
+    while any(running(p) for p in psutil.process_iter(["status"])):
+        if time.time() > deadline:
+            return False
         time.sleep(0.2)
-    return False
+    return True
 
 
 def main(argv=None):
@@ -124,9 +121,9 @@ def main(argv=None):
                                          f"is above)")
                 time.sleep(0.5)
             # the launcher's runner ends at once at a Ctrl-C, while the ranks save: wait for them too
-            if stopped and not group_ended(run.pid, timeout=90):
-                os.killpg(run.pid, signal.SIGKILL)
             if stopped:
+                if not group_ended(run.pid, timeout=90):
+                    os.killpg(run.pid, signal.SIGKILL)
                 raise SystemExit(128 + signal.SIGINT)
             if run.returncode != 0:
                 raise SystemExit(f"run_demo: grpo_train.py failed (exit code {run.returncode})")
