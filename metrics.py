@@ -291,6 +291,10 @@ class MetricsLog:
                 project=os.environ.get("WANDB_PROJECT", "minimal-grpo"), name=os.path.basename(
                     os.path.abspath(out_dir)), dir=out_dir, config=resolved, settings=wandb_module.Settings(
                     quiet=True))
+            # a row per line, charted against the run's step: rows logged at one step= are merged, one
+            # value a key, which lost an evaluation that arrived beside another or after the last step
+            self.wandb.define_metric("step")
+            self.wandb.define_metric("*", step_metric="step")
             print(f"wandb: {self.wandb.url or self.wandb.dir}", flush=True)
 
     def open(self):
@@ -363,7 +367,7 @@ class MetricsLog:
             for k, v in numbers(row).items():
                 self.tb.add_scalar(k, v, row["step"])
         if self.wandb:
-            self.wandb.log(numbers(row), step=row["step"])
+            self.wandb.log(numbers(row))
 
     def took_eval(self, row, outputs):
         """An evaluation's share of the log: the closing line's before -> after, its held-out outputs
