@@ -119,9 +119,9 @@ def quiet_vllm_console(model):
                             and record.getMessage().split(":")[0] in class_names(skipped)))
     # vLLM's kernel dispatcher reads a deprecated torch name while it looks for kernels: nothing to act on
     warnings.filterwarnings("ignore", "`torch.distributed.reduce_op` is deprecated", FutureWarning)
-    # tqdm's default lock (one made even for a hidden bar) is a named semaphore, which this process, killed
-    # by the launcher's SIGTERM at a Ctrl-C, never unregisters: Python's resource tracker then warned of a
-    # leak as the run ended. Bars of one process need only a thread lock.
+    # tqdm's default lock (made even for a hidden bar) is a named semaphore, which this process, ended by
+    # the launcher's SIGTERM when a run is stopped, never unregisters: Python's resource tracker then
+    # reported it leaked, after the run's last line. The bars of one process need only a thread lock.
     tqdm.set_lock(threading.RLock())
     return {"use_tqdm_on_load": False}
 
