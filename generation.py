@@ -61,7 +61,7 @@ import torch.multiprocessing as mp
 from engine_process import GROUP_TIMEOUT, engine_environment, serve, vllm_dtype
 from batches import merge_batches
 from lora import vllm_weights
-from placement import (default_gen_mem, reference_beside_engine, reference_device, start_reference_server,
+from placement import (alive, default_gen_mem, reference_beside_engine, reference_device, start_reference_server,
                        tcp_store, training_gpus)
 from ref_client import RefServerError, check_reference, even_shares, server_urls, wait_for_server
 from rewards import parse_reward_spec
@@ -72,14 +72,6 @@ def engine_positions(data_pos, engines):
     with another number of engines, each starts after the furthest one (at most a block's prompts skipped)."""
     saved = data_pos if isinstance(data_pos, list) else [data_pos]
     return saved if len(saved) == engines else [max(saved)] * engines
-
-
-def _alive(proc):
-    """A process that exited but was not reaped yet (a zombie) counts as gone."""
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @contextmanager
@@ -235,7 +227,7 @@ class GenerationProcess:
         if self.ref_server is not None and self.ref_server.poll() is not None:
             raise SystemExit(f"grpo_train.py: the reference server this run started died (exit code "
                              f"{self.ref_server.returncode}); its output is above")
-        if self.launcher is not None and not _alive(self.launcher):
+        if self.launcher is not None and not alive(self.launcher):
             raise SystemExit(f"the launcher (pid {self.launcher.pid}) is gone: stopping the run")
         # a push that ended: landed, or failed on rank 0's side (an engine's failure ends it, seen above)
         if self.pushing is not None and not self.pushing.is_alive():

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -57,6 +58,14 @@ def reference_beside_engine(ref_device, gen_devices, starts_reference):
     """Whether the reference server rank 0 starts (starts_reference) will share a GPU with an engine."""
     device = reference_device(ref_device, gen_devices)
     return starts_reference and torch.cuda.is_available() and device in map(str, gen_devices)
+
+
+def alive(proc):
+    """Whether a psutil.Process runs: one that exited but was not reaped yet (a zombie) counts as gone."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def free_port():

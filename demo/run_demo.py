@@ -20,7 +20,7 @@ import time
 import psutil
 import torch
 
-from placement import held_port
+from placement import alive, held_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,9 +35,9 @@ def group_ended(group, timeout):
     counts as ended), at most `timeout` seconds -> whether none does."""
     def running(p):
         with contextlib.suppress(ProcessLookupError):   # it ended while we looked
-            return os.getpgid(p.pid) == group and p.info["status"] != psutil.STATUS_ZOMBIE
+            return os.getpgid(p.pid) == group and alive(p)
     deadline = time.time() + timeout
-    while any(running(p) for p in psutil.process_iter(["status"])):
+    while any(running(p) for p in psutil.process_iter()):
         if time.time() > deadline:
             return False
         time.sleep(0.2)
