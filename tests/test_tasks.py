@@ -294,9 +294,10 @@ def test_data_mistakes_stop_the_run_with_one_line(tmp_path, capsys):
 def test_a_name_that_is_no_file_a_lone_surrogate_or_a_test_it_cannot_judge_is_one_line(tmp_path, monkeypatch, capsys):
     """Each was a traceback: a --data name existing only as a broken link, and a name that is neither file
     nor folder while the hub cannot be reached, were looked for on the hub (35 s of retries here,
-    then a ConnectionError), as --task gsm8k without --data read openai/gsm8k; a prompt holding a lone surrogate (\\ud800 in the JSON) was a tokenizer's
-    TypeError. A test the code reward cannot judge went unnoticed until every completion scored nan. Now
-    each stops the run, at once, in one line naming the flag, or the file and line."""
+    then a ConnectionError), as --task gsm8k without --data read openai/gsm8k; a prompt holding a lone
+    surrogate (\\ud800 in the JSON) was a tokenizer's TypeError. A test the code reward cannot judge went
+    unnoticed until every completion scored nan. Now each stops the run, at once, in one line naming the
+    flag, or the file and line."""
     import huggingface_hub
     # a hub that cannot be reached, wherever the tests run: nothing listens on port 9
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
