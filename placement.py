@@ -75,17 +75,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def held_port():
-    """A loopback port kept for a server that binds it later -> (a socket bound to it, never listening; the
-    port). A port released now and bound seconds later, once the server has started, can meanwhile be given
-    to any process's bind(0) or connect(), and the server then dies of EADDRINUSE. While this socket is open
-    none is given the port, and the server binds and listens on it beside the socket: Linux lets sockets
-    share a port where each sets SO_REUSEADDR and only one listens. The servers it is held for set it:
+def held_port(host="127.0.0.1"):
+    """A port of `host` (loopback by default) kept for a server that binds it later -> (a socket bound to it,
+    never listening; the port). A port released now and bound seconds later, once the server has started, can
+    meanwhile be given to any process's bind(0) or connect(), and the server then dies of EADDRINUSE. While this
+    socket is open none is given the port, and the server binds and listens on it beside the socket: Linux lets
+    sockets share a port where each sets SO_REUSEADDR and only one listens. The servers it is held for set it:
     waitress 3.0.2 (TcpWSGIServer.__init__: ref_server.py), and Python's socket.create_server (the trainer's
-    rendezvous: tcp_store)."""
-    hold = socket.socket()
+    rendezvous and the weight group's store on CPU: tcp_store)."""
+    hold = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    hold.bind(("127.0.0.1", 0))
+    hold.bind((host, 0))
     return hold, hold.getsockname()[1]
 
 

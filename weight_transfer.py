@@ -28,7 +28,7 @@ import torch.distributed as dist
 import vllm
 from packaging.version import Version
 
-from placement import free_port, tcp_store, training_gpus
+from placement import free_port, held_port, tcp_store, training_gpus
 
 # the vLLM releases this file was written for and tested on, oldest and newest
 VLLM_RANGE = ("0.26", "0.32")
@@ -346,9 +346,12 @@ def open_transfer(backend, client, source, engines, wait_s=GROUP_TIMEOUT.total_s
     StatelessProcessGroup.create's store_timeout, 0.26 to 0.32), less than an engine's cold start may take."""
     client.wait_until_up(wait_s)
     if backend == "gloo":
-        info = GlooTrainerInitInfo(rank=0, master_address=host, master_port=free_port(),
-                                   world_size=engines + 1)
-        return GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+        # the port is held from its choice until rank 0's store listens on it (placement.held_port)
+        hold, port = held_port(host)
+        with hold:
+            info = GlooTrainerInitInfo(rank=0, master_address=host, master_port=port,
+                                       world_size=engines + 1)
+            return GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
     buffer_bytes = packed_buffer_bytes(source.metadata())
     return vllm_trainer_engine(backend, client, source, engines + 1, buffer_bytes, host)
 
