@@ -632,10 +632,10 @@ def test_a_port_held_for_the_rendezvous_is_no_one_elses_and_rank_0_listens_on_it
 
 
 def test_the_weight_groups_port_on_cpu_is_held_on_the_address_the_engines_reach():
-    """Rank 0 opens the weight group on CPU (weight_transfer.open_transfer, gloo) on a port held from its
+    """Rank 0 opens the weight group on CPU (weight_transfer.open_transfer, gloo) on a port it holds from its
     choice (placement.held_port(host)) on `host`, the address the engines reach it at, which need not be
-    loopback's 127.0.0.1. No other socket can bind it there, and the group's store listens on it beside the
-    held socket."""
+    loopback's 127.0.0.1. What it runs, here with no engine: no other socket can bind the port there, and the
+    group (weight_transfer.gloo_group, its store and handshake) opens on it beside the held socket."""
     import socket
     from placement import held_port
     from weight_transfer import gloo_group
