@@ -23,6 +23,7 @@ the GPU's peak memory in use (every process on it, read with nvidia-smi each sec
     python bench/gpu_check.py            # GPU; exits non-zero naming what failed
     python bench/gpu_check.py --quick    # GPU, <= 5 min: 0.5B shape, 5 steps, no gpu_bench.py
     python bench/gpu_check.py --shape qwen2.5-1.5b --steps 50    # the README recipe's shape at 1.5B
+    python bench/gpu_check.py --quick --shape qwen2.5-1.5b --grad-ckpt   # 1.5B on one 80 GB GPU
     python bench/gpu_check.py --tiny     # CPU, tiny shapes, 3 steps (tests/test_bench.py)
 
 GPUs: with 3 or more, GPU 0 generates, GPU 1 holds the reference model and the rest train (the recipe's
@@ -102,6 +103,7 @@ def run_grpo(a, s, model, out, gpus):
                  "--save-every", "50", "--sync-tol", str(a.sync_tol),
                  "--overlong-buffer", str(s["max_new_tokens"] - 1)]
     train_cmd += [arg for k, v in s.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
+    train_cmd += ["--grad-ckpt"] * a.grad_ckpt
     if gpus:
         gen, ref, train = layout(gpus)
         train_cmd[1:1] = ["--include", "localhost:" + ",".join(map(str, train))]
@@ -282,6 +284,8 @@ def main():
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=["qwen2.5-0.5b", "qwen2.5-1.5b"],
                    help="the random model's shape (GPU)")
     p.add_argument("--steps", type=int, help="GRPO steps (default: 20; --tiny: 3; --quick: 5)")
+    p.add_argument("--grad-ckpt", action="store_true",
+                   help="train with gradient checkpointing (docs/gpu.md: the 1.5B shape on one 80 GB GPU)")
     a = p.parse_args()
     import torch
     # on a machine without a GPU: one line, not minutes of a 0.5B model on the CPU

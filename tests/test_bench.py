@@ -38,7 +38,9 @@ def test_gpu_check_tiny_mode_runs_on_cpu(tmp_path):
     steps with ref_server.py and the deepspeed launcher, whose metrics the check reads. Its task is countdown:
     the run is also countdown's end-to-end test (chat-template prompts, its reward and the format reward, the
     held-out evaluation; a random model scores about 0, so this proves the plumbing, not learning)."""
-    out = run("bench/gpu_check.py", "--tiny", "--out-dir", str(tmp_path))
+    out = run("bench/gpu_check.py", "--tiny", "--grad-ckpt", "--out-dir", str(tmp_path))
+    # the trainer is launched with gradient checkpointing, as docs/gpu.md advises for 1.5B on one 80 GB GPU
+    assert re.search(r"^gpu_check: \S*deepspeed .* grpo_train\.py .* --grad-ckpt", out, re.M)
     (row,) = table_rows(out)
     model, params, body, gen_tok_s, ours_tok_s, ours_pct, train_tok_s, tflops, mfu, gen_peak, train_peak = row
     assert model == "tiny" and 9 < float(params) < 11   # 151,936 x 64 embedding (tied) + two small layers
