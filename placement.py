@@ -81,8 +81,9 @@ def held_port(host="127.0.0.1"):
     meanwhile be given to any process's bind(0) or connect(), and the server then dies of EADDRINUSE. While this
     socket is open none is given the port, and the server binds and listens on it beside the socket: Linux lets
     sockets share a port where each sets SO_REUSEADDR and only one listens. The servers it is held for set it:
-    waitress 3.0.2 (TcpWSGIServer.__init__: ref_server.py), and Python's socket.create_server (the trainer's
-    rendezvous and the weight group's store on CPU: tcp_store)."""
+    waitress 3.0.2 (TcpWSGIServer.__init__: ref_server.py), Python's socket.create_server (the trainer's
+    rendezvous and the weight group's store on CPU: tcp_store) and vLLM's StatelessProcessGroup.create (the
+    weight group's store on NCCL, 0.26 to 0.32)."""
     hold = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     hold.bind((host, 0))

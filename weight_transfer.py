@@ -28,7 +28,7 @@ import torch.distributed as dist
 import vllm
 from packaging.version import Version
 
-from placement import free_port, held_port, tcp_store, training_gpus
+from placement import held_port, tcp_store, training_gpus
 
 # the vLLM releases this file was written for and tested on, oldest and newest
 VLLM_RANGE = ("0.26", "0.32")
@@ -247,7 +247,7 @@ class StaticSender:
     engines (0.32: NCCLTrainerWeightTransferEngine.send_weights, IPCTrainerWeightTransferEngine.send_weights).
     Here the wire parameters ride each update info (packed, the buffer's size), not the init."""
 
-    def __init__(self, backend, client, source, world_size, buffer_bytes, host):
+    def __init__(self, backend, client, source, world_size, buffer_bytes, host, port):
         self.backend, self.client, self.source, self.group = backend, client, source, None
         self.wire = {"packed": True, "packed_buffer_size_bytes": buffer_bytes}
         if backend == "ipc":
@@ -256,7 +256,7 @@ class StaticSender:
         # nccl_engine.py, NCCLWeightTransferEngine.trainer_init (= nccl_common.trainer_init: rank 0 of a
         # StatelessProcessGroup, then a PyNcclCommunicator), while the engines join on a thread
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
-        rendezvous = {"master_address": host, "master_port": free_port(), "world_size": world_size}
+        rendezvous = {"master_address": host, "master_port": port, "world_size": world_size}
         joined = run_on_thread(client.init_weight_transfer_engine, {**rendezvous, "rank_offset": 1})
         self.group = NCCLWeightTransferEngine.trainer_init(rendezvous)
         joined.join()
@@ -292,18 +292,18 @@ class StaticSender:
             self.group = None
 
 
-def vllm_trainer_engine(backend, client, source, world_size, buffer_bytes, host):
+def vllm_trainer_engine(backend, client, source, world_size, buffer_bytes, host, port):
     """vLLM's trainer engine for "nccl" or "ipc", packed into buffers of buffer_bytes: from its factory where
     it has one (factory.py, WeightTransferTrainerFactory: IPC from vLLM 0.27, NCCL from 0.28), else
-    StaticSender (0.26; 0.27's NCCL)."""
+    StaticSender (0.26; 0.27's NCCL). NCCL's rendezvous is at host:port (rank 0's store; IPC has none)."""
     if backend not in WeightTransferTrainerFactory._registry:
-        return StaticSender(backend, client, source, world_size, buffer_bytes, host)
+        return StaticSender(backend, client, source, world_size, buffer_bytes, host, port)
     if backend == "ipc":
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
         info = IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=buffer_bytes)
     else:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-        info = NCCLTrainerInitInfo(rank=0, master_address=host, master_port=free_port(),
+        info = NCCLTrainerInitInfo(rank=0, master_address=host, master_port=port,
                                    world_size=world_size, packed=True, packed_buffer_size_bytes=buffer_bytes)
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
@@ -345,15 +345,16 @@ def open_transfer(backend, client, source, engines, wait_s=GROUP_TIMEOUT.total_s
     --dist-timeout): vLLM's NCCL rendezvous waits 300 s at most (distributed/utils.py,
     StatelessProcessGroup.create's store_timeout, 0.26 to 0.32), less than an engine's cold start may take."""
     client.wait_until_up(wait_s)
-    if backend == "gloo":
-        # the port is held from its choice until rank 0's store listens on it (placement.held_port)
-        hold, port = held_port(host)
-        with hold:
+    # the rendezvous port is held from its choice until rank 0's store listens on it (placement.held_port):
+    # ours on gloo, vLLM's StatelessProcessGroup.create on NCCL (SO_REUSEADDR, 0.26 to 0.32); IPC has none
+    hold, port = held_port(host)
+    with hold:
+        if backend == "gloo":
             info = GlooTrainerInitInfo(rank=0, master_address=host, master_port=port,
                                        world_size=engines + 1)
             return GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
-    buffer_bytes = packed_buffer_bytes(source.metadata())
-    return vllm_trainer_engine(backend, client, source, engines + 1, buffer_bytes, host)
+        buffer_bytes = packed_buffer_bytes(source.metadata())
+        return vllm_trainer_engine(backend, client, source, engines + 1, buffer_bytes, host, port)
 
 
 def deferred_attention():

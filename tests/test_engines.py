@@ -401,6 +401,26 @@ def test_an_engine_slower_to_start_than_the_rendezvous_store_waits_still_joins(m
                 proc.kill()
 
 
+def test_vllms_nccl_rendezvous_binds_the_port_held_for_it():
+    """On NCCL (GPUs), rank 0's end of the weight group's rendezvous is vLLM's own store
+    (distributed/utils.py, StatelessProcessGroup.create), on the port open_transfer holds from its choice
+    (placement.held_port). vLLM binds it beside the held socket, as both set SO_REUSEADDR: on CPU its store
+    opens and answers (the NCCL communicator vLLM builds on it needs a GPU). Meanwhile no other socket can
+    bind the port."""
+    import errno
+    import socket
+    from vllm.distributed.utils import StatelessProcessGroup
+    from placement import held_port
+    host = "127.0.0.2"   # loopback too on Linux, but not the default address
+    hold, port = held_port(host)
+    with hold:
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind((host, port))
+        assert taken.value.errno == errno.EADDRINUSE
+        group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=1)
+        assert group.broadcast_obj("weights", src=0) == "weights"
+
+
 def _engine_dying_mid_push(control, answers, numel):
     """An engine that joins the weight group, takes the push's start and the first bucket of its update, then is
     killed (SIGKILL) before the rest."""
