@@ -401,24 +401,30 @@ def test_an_engine_slower_to_start_than_the_rendezvous_store_waits_still_joins(m
                 proc.kill()
 
 
-def test_vllms_nccl_rendezvous_binds_the_port_held_for_it():
-    """On NCCL (GPUs), rank 0's end of the weight group's rendezvous is vLLM's own store
-    (distributed/utils.py, StatelessProcessGroup.create), on the port open_transfer holds from its choice
-    (placement.held_port). vLLM binds it beside the held socket, as both set SO_REUSEADDR: on CPU its store
-    opens and answers (the NCCL communicator vLLM builds on it needs a GPU). Meanwhile no other socket can
-    bind the port."""
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_the_weight_groups_port_is_held_on_the_address_the_engines_reach(backend):
+    """Rank 0 opens the weight group (weight_transfer.open_transfer) on a port it holds from its choice
+    (placement.held_port(host)) on `host`, the address the engines reach it at, which need not be loopback's
+    127.0.0.1. Meanwhile no other socket can bind the port there, and the group's store binds and listens on
+    it beside the held socket, as both set SO_REUSEADDR: on CPU ours (weight_transfer.gloo_group, its store
+    and handshake); on NCCL vLLM's (distributed/utils.py, StatelessProcessGroup.create), whose store opens
+    and answers here (the NCCL communicator vLLM builds on it needs a GPU)."""
     import errno
     import socket
     from vllm.distributed.utils import StatelessProcessGroup
     from placement import held_port
-    host = "127.0.0.2"   # loopback too on Linux, but not the default address
+    from weight_transfer import gloo_group
+    host = "127.0.0.2"   # loopback too on Linux (127.0.0.0/8), but another address than the default
     hold, port = held_port(host)
     with hold:
         with socket.socket() as other, pytest.raises(OSError) as taken:
             other.bind((host, port))
         assert taken.value.errno == errno.EADDRINUSE
-        group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=1)
-        assert group.broadcast_obj("weights", src=0) == "weights"
+        if backend == "gloo":
+            assert gloo_group(host, port, 0, 1).size() == 1
+        else:
+            group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=1)
+            assert group.broadcast_obj("weights", src=0) == "weights"
 
 
 def _engine_dying_mid_push(control, answers, numel):

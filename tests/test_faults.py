@@ -631,24 +631,6 @@ def test_a_port_held_for_the_rendezvous_is_no_one_elses_and_rank_0_listens_on_it
         assert store.get("rank 1") == b"here"
 
 
-def test_the_weight_groups_port_on_cpu_is_held_on_the_address_the_engines_reach():
-    """Rank 0 opens the weight group on CPU (weight_transfer.open_transfer, gloo) on a port it holds from its
-    choice (placement.held_port(host)) on `host`, the address the engines reach it at, which need not be
-    loopback's 127.0.0.1. What it runs, here with no engine: no other socket can bind the port there, and the
-    group (weight_transfer.gloo_group, its store and handshake) opens on it beside the held socket."""
-    import socket
-    from placement import held_port
-    from weight_transfer import gloo_group
-    host = "127.0.0.2"   # loopback too on Linux (127.0.0.0/8), but another address than the default
-    hold, port = held_port(host)
-    with hold:
-        with socket.socket() as other, pytest.raises(OSError) as taken:
-            other.bind((host, port))
-        assert taken.value.errno == errno.EADDRINUSE
-        group = gloo_group(host, port, 0, 1)
-        assert group.size() == 1
-
-
 def test_a_port_another_run_holds_is_one_line_naming_master_port(tmp_path, tiny_model):
     """The ranks meet on the launcher's --master_port (default 29500): a second run on one machine found it
     taken and printed 35 lines (DistNetworkError ... EADDRINUSE). Rank 0, as the launcher starts it, with
