@@ -4,6 +4,7 @@ import itertools
 import os
 import subprocess
 import sys
+import tempfile
 
 import psutil
 import pytest
@@ -13,15 +14,33 @@ sys.path.insert(0, ROOT)
 
 # `make test` runs the tests several at a time (pytest-xdist): each worker is a process of its own, "gw0", "gw1", ...
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-_PORTS = itertools.count(21000 + 1000 * int(WORKER.removeprefix("gw")))
+_PORTS = []
+
+
+def port_block():
+    """The first of eleven 1000-port blocks (21000-21999, ..., 31000-31999) that no other test process holds,
+    held until this one ends: a lock on a file named for the block. So a run's workers, and two test runs on
+    one machine, never hand out the same port. Below the kernel's ephemeral ports (32768 and up), where
+    bind(0) never lands."""
+    for block in range(11):
+        held = open(os.path.join(tempfile.gettempdir(), f"grpo-test-ports-{block}.lock"), "w")
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:   # another test process holds it
+            held.close()
+            continue
+        return held, itertools.count(21000 + 1000 * block)
+    raise RuntimeError("every port block of the tests is held: more than 11 test processes at once")
 
 
 def next_port():
-    """A loopback port for a launch or a server of this test run that no other test takes: each worker counts
-    up in a range of its own (gw0 from 21000, gw1 from 22000, ...), below the kernel's ephemeral ports (32768
-    and up), where bind(0) never lands. So a port handed out now and bound seconds later (deepspeed's
-    --master_port, ref_server.py's --port) is still free then, with any number of tests running beside it."""
-    return next(_PORTS)
+    """A loopback port for a launch or a server of this test process that no other takes: counted up in the
+    process's own block (port_block), claimed at the first call. So a port handed out now and bound seconds
+    later (deepspeed's --master_port, ref_server.py's --port) is still free then, with any number of tests
+    running beside it."""
+    if not _PORTS:
+        _PORTS.extend(port_block())
+    return next(_PORTS[1])
 
 
 def running(process):
