@@ -23,11 +23,13 @@ def port_block():
     one machine, never hand out the same port. Below the kernel's ephemeral ports (32768 and up), where
     bind(0) never lands."""
     for block in range(11):
-        held = open(os.path.join(tempfile.gettempdir(), f"grpo-test-ports-{block}.lock"), "w")
+        # read-only: a lock file another user's test run made is locked all the same
+        path = os.path.join(tempfile.gettempdir(), f"grpo-test-ports-{block}.lock")
+        held = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
         try:
             fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:   # another test process holds it
-            held.close()
+            os.close(held)
             continue
         return held, itertools.count(21000 + 1000 * block)
     raise RuntimeError("every port block of the tests is held: more than 11 test processes at once")
