@@ -14,14 +14,15 @@ sys.path.insert(0, ROOT)
 
 # `make test` runs the tests several at a time (pytest-xdist): each worker is a process of its own, "gw0", "gw1", ...
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-_PORTS = []
+# this process's ports, counted up from its block (port_block) once a test asks for the first
+_PORTS = None
 
 
 def port_block():
-    """The first of eleven 1000-port blocks (21000-21999, ..., 31000-31999) that no other test process holds,
-    held until this one ends: a lock on a file named for the block. So a run's workers, and two test runs on
-    one machine, never hand out the same port. Below the kernel's ephemeral ports (32768 and up), where
-    bind(0) never lands."""
+    """The ports of the first of eleven 1000-port blocks (21000-21999, ..., 31000-31999) that no other test
+    process holds, held until this one ends: a lock on a file named for the block, whose descriptor is never
+    closed. So a run's workers, and two test runs on one machine, never hand out the same port. Below the
+    kernel's ephemeral ports (32768 and up), where bind(0) never lands."""
     for block in range(11):
         # read-only: a lock file another user's test run made is locked all the same
         path = os.path.join(tempfile.gettempdir(), f"grpo-test-ports-{block}.lock")
@@ -31,7 +32,7 @@ def port_block():
         except BlockingIOError:   # another test process holds it
             os.close(held)
             continue
-        return held, itertools.count(21000 + 1000 * block)
+        return itertools.count(21000 + 1000 * block)
     raise RuntimeError("every port block of the tests is held: more than 11 test processes at once")
 
 
@@ -40,9 +41,10 @@ def next_port():
     process's own block (port_block), claimed at the first call. So a port handed out now and bound seconds
     later (deepspeed's --master_port, ref_server.py's --port) is still free then, with any number of tests
     running beside it."""
-    if not _PORTS:
-        _PORTS.extend(port_block())
-    return next(_PORTS[1])
+    global _PORTS
+    if _PORTS is None:
+        _PORTS = port_block()
+    return next(_PORTS)
 
 
 def running(process):
