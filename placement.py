@@ -75,6 +75,11 @@ def free_port():
         return s.getsockname()[1]
 
 
+def address_family(host):
+    """The socket family of an address given as digits (not a name): IPv6's where it has a colon."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def held_port(host="127.0.0.1"):
     """A port of `host` (loopback by default) kept for a server that binds it later -> (a socket bound to it,
     never listening; the port). A port released now and bound seconds later, once the server has started, can
@@ -84,7 +89,7 @@ def held_port(host="127.0.0.1"):
     waitress 3.0.2 (TcpWSGIServer.__init__: ref_server.py), Python's socket.create_server (the trainer's
     rendezvous and the weight group's store on CPU: tcp_store) and vLLM's StatelessProcessGroup.create (the
     weight group's store on NCCL, 0.26 to 0.32)."""
-    hold = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    hold = socket.socket(address_family(host))
     hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     hold.bind((host, 0))
     return hold, hold.getsockname()[1]
@@ -98,8 +103,7 @@ def tcp_store(host, port, world_size=None, *, is_master, **kwargs):
     opens on that port in this process takes this one's server (rendezvous.py, _create_c10d_store)."""
     if not is_master:
         return dist.TCPStore(host, port, world_size, False, **kwargs)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.create_server((host, port), family=family, backlog=socket.SOMAXCONN)
+    listener = socket.create_server((host, port), family=address_family(host), backlog=socket.SOMAXCONN)
     port = listener.getsockname()[1]
     return dist.TCPStore(host, port, world_size, True, master_listen_fd=listener.detach(), **kwargs)
 
