@@ -72,10 +72,13 @@ def _answered(url, what, timeout):
         raise ServerError(f"grpo_train.py: the vLLM server {url} is gone ({what}: {type(e).__name__})") from None
 
 
-def _call(url, method, route, timeout, session=requests, **kw):
-    """One request -> its JSON answer (None if empty); ServerError if it fails."""
+def _call(url, method, route, timeout, **kw):
+    """One request, on a connection of its own -> its JSON answer (None if empty); ServerError if it fails.
+    The server closes a connection left idle for its keep-alive time (vLLM 0.26-0.32:
+    VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s, uvicorn's timer): a request sent on a kept connection as that timer
+    fires is dropped unread, and a busy server's event loop widens the moment (ConnectionError)."""
     with _answered(url, f"{method} {route}", timeout):
-        r = session.request(method, url + route, timeout=timeout, **kw)
+        r = requests.request(method, url + route, timeout=timeout, **kw)
         r.raise_for_status()
         return r.json() if r.content else None
 
@@ -124,15 +127,12 @@ class ServerLLM:
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
         self.url, self.rank_offset, self.model, self.timeout = url, rank_offset, model, timeout
         self.sync = HTTPVLLMWeightSyncClient(url, timeout=timeout)
-        self.seeds, self.local, self.tokenizer = random.Random(seed), threading.local(), None
+        self.seeds, self.tokenizer = random.Random(seed), None
         self.pool = ThreadPoolExecutor(64, thread_name_prefix="server-request")
         watch_server(url, lost)
 
     def _post(self, route, body):
-        # a Session per thread (requests 2.34's is not documented thread-safe): it keeps connections
-        if not hasattr(self.local, "session"):
-            self.local.session = requests.Session()
-        return _call(self.url, "POST", route, self.timeout, self.local.session, json=body)
+        return _call(self.url, "POST", route, self.timeout, json=body)
 
     def get_tokenizer(self):
         if self.tokenizer is None:

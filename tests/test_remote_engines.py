@@ -205,3 +205,50 @@ def test_gen_urls_flags(capsys):
     for part in ("--gen-urls node1:8000: a server's URL starts with http://", "--gen-urls or --gen-devices",
                  "--prompts-per-step must be >= the number of --gen-urls", "--gen-timeout must be > 0"):
         assert part in err, (part, err)
+
+
+def test_each_request_to_a_server_opens_a_connection_of_its_own():
+    """A vLLM server (uvicorn) closes a connection left idle for its keep-alive time, and a request sent on a
+    kept connection as that timer fires is dropped unread: the run would end on a ConnectionError, more often
+    the busier the server. So ServerLLM sends each request on a connection of its own. Against uvicorn with a
+    1 s keep-alive, four threads each asking every ~1 s: every request is answered, each from a client port
+    of its own (a kept connection would show one port twice)."""
+    import random
+    import uvicorn
+    from remote_engine import ServerLLM
+
+    ports = []
+
+    async def app(scope, receive, send):
+        ports.append(scope["client"][1])
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"success": true}'})
+
+    port = next_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, timeout_keep_alive=1,
+                                           lifespan="off", log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 30
+        while not server.started:
+            assert time.time() < deadline and thread.is_alive(), "the test's server did not start"
+            time.sleep(0.05)
+        lost = []
+        llm = ServerLLM(f"http://127.0.0.1:{port}", 1, "unused", timeout=10, seed=0, lost=lost.append)
+
+        def ask_thrice():
+            for _ in range(3):
+                time.sleep(random.uniform(0.9, 1.1))
+                llm.reset_prefix_cache()
+        askers = [llm.pool.submit(ask_thrice) for _ in range(4)]
+        for asker in askers:
+            asker.result(timeout=60)
+        assert len(ports) >= 12 and not lost, (ports, lost)
+        assert len(set(ports)) == len(ports), sorted(ports)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
