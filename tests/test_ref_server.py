@@ -760,33 +760,6 @@ def test_non_finite_log_probs_are_the_servers_fault(tiny_model):
             ref_logps(url, [[1, 2]], [[3]], 1.0, retry_for=0)
 
 
-def test_client_retries_until_a_restarted_server_answers(tmp_path, tiny_model, model, capsys):
-    """The server dies between two requests: the client says on stderr that it retries, and the request is
-    answered once a server is back on the same port."""
-    proc, url, log = spawn_server(tiny_model, tmp_path / "log.txt")
-    wait_up(proc, url, log)
-    ref_logps(url, [[1]], [[2]], 1.0, retry_for=0)   # the client knows the server (its limits)
-    stop_server(proc, log)
-    capsys.readouterr()
-    result = {}
-    client = threading.Thread(target=lambda: result.update(got=ref_logps(url, [[1, 2]], [[3]], 1.0,
-                                                                         retry_for=300, backoff=0.2)))
-    client.start()
-    try:
-        err, deadline = "", time.monotonic() + 60
-        while f"ref_server client: POST {url}/logps failed" not in err:   # the client met the dead server
-            assert time.monotonic() < deadline and client.is_alive(), err
-            time.sleep(0.1)
-            err += capsys.readouterr().err
-        proc, _, log = spawn_server(tiny_model, tmp_path / "log2.txt", port=int(url.rsplit(":", 1)[1]))
-        client.join(240)
-        assert not client.is_alive()
-        torch.testing.assert_close(result["got"][0], local_logps(model, [[1, 2]], [[3]], 1.0)[0], atol=1e-5,
-                                   rtol=0)
-    finally:
-        stop_server(proc, log)
-
-
 def test_client_retries_an_answer_cut_short(capsys):
     """A server killed mid-answer leaves a 200 cut short: after its status line (no headers at all), or in
     its body. Either is a failed attempt the client retries and reports, never a body it decodes. The peer

