@@ -99,11 +99,10 @@ def test_a_run_on_two_vllm_servers_learns_as_on_local_engines_and_ends_in_one_li
     tests/test_e2e.py holds these of two local engines): the starting model's greedy answers score exactly 29
     of the 90 held-out problems, and held-out accuracy reaches 80% by step 20; every push lands in both (the
     probe, checked by each engine), the sampled tokens' log-probs are the trainer's at step 1 (processed
-    log-probs), no batch is lost. Then one server is killed
-    mid-run: the run ends in one line naming it, within seconds, and leaves no process behind. Before it, a
-    server without the RL routes, a server of another model (or too short a context) and a URL where nothing
-    listens are each refused in one line, as rank 0 refuses them at start; after it, a frozen server is
-    noticed."""
+    log-probs), no batch is lost. Then one server is killed mid-run: the run ends in one line naming it,
+    within seconds, and leaves no process behind. Before it, a server without the RL routes, a server of
+    another model (or too short a context) and a URL where nothing listens are each refused in one line, as
+    rank 0 refuses them at start; after it, a frozen server is noticed."""
     one, two, no_routes = servers
     for server in servers:
         wait_up(server)
