@@ -68,20 +68,27 @@ def tiny_model(tmp_path_factory):
     return save(build_model(tok, seed=0), tok, str(tmp_path_factory.mktemp("tiny")))
 
 
-@pytest.fixture(scope="session")
-def demo_model(tmp_path_factory):
-    """The demo's model: built and warm-started by the demo's own builder (~30 s), once per test run. The
-    workers share it: the first to need it builds it under a lock, and a finished build is renamed into place,
-    so the others wait for it and never see half of one."""
+def built_once(tmp_path_factory, name, build):
+    """The path of `name` in the run's own temporary folder, which build(path) makes once per test run, not
+    once per worker: the first worker to need it builds it under a lock, and a finished build is renamed
+    into place, so the others wait for it and never see half of one."""
     base = tmp_path_factory.getbasetemp()
     # a worker's folder is popen-gwN inside the run's own: the run's is the one they share
     shared = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
-    out = shared / "demo_model"
-    with open(shared / "demo_model.lock", "w") as lock:
+    out = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not out.exists():
-            building = shared / f"demo_model.{WORKER}"
-            subprocess.run([sys.executable, "-m", "demo.tiny_model", "--out", str(building)], cwd=ROOT,
-                           check=True, capture_output=True, timeout=600)
+            building = shared / f"{name}.{WORKER}"
+            build(building)
             os.rename(building, out)
-    return str(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory):
+    """The demo's model: built and warm-started by the demo's own builder (~30 s), once per test run."""
+    def build(path):
+        subprocess.run([sys.executable, "-m", "demo.tiny_model", "--out", str(path)], cwd=ROOT, check=True,
+                       capture_output=True, timeout=600)
+    return str(built_once(tmp_path_factory, "demo_model", build))

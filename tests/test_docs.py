@@ -34,6 +34,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import built_once
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
@@ -197,14 +199,13 @@ def child_main(results_path):
     Path(results_path).write_text(json.dumps(results))
 
 
-def run_parse_jobs(jobs, tmp_path):
-    results = tmp_path / "parsed.json"
+def run_parse_jobs(jobs, results):
+    """Each job's [error or None, output], written to the file `results` as JSON by one child process."""
     child = f"from test_docs import child_main; child_main({str(results)!r})"
     p = subprocess.run([sys.executable, "-c", child],
                        input=json.dumps(jobs), capture_output=True, text=True, cwd=ROOT, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
     assert p.returncode == 0 and results.exists(), p.stdout[-3000:] + p.stderr[-3000:]
-    return json.loads(results.read_text())
 
 
 COMMANDS = all_commands()
@@ -216,11 +217,14 @@ BROKEN = [["python", "grpo_train.py", "--model", "m", "--no-such-flag"],
 
 @pytest.fixture(scope="module")
 def parsed(tmp_path_factory):
-    """{job as JSON: [error or None, output]} for every flag check, all run in one child process."""
+    """{job as JSON: [error or None, output]} for every flag check, all run in one child process, once per
+    test run (the workers share the answers)."""
     jobs = [job for _, words in COMMANDS if (job := parse_job(words))]
     jobs += [parse_job(words) for words in BROKEN]
     unique = {json.dumps(j, sort_keys=True): j for j in jobs}
-    return dict(zip(unique, run_parse_jobs(list(unique.values()), tmp_path_factory.mktemp("docs"))))
+    answers = built_once(tmp_path_factory, "parsed.json",
+                         lambda path: run_parse_jobs(list(unique.values()), path))
+    return dict(zip(unique, json.loads(answers.read_text())))
 
 
 def test_readme_is_read_in_five_minutes():

@@ -261,9 +261,9 @@ def test_lora_with_gspo_learns_pushes_merged_weights_and_evaluates(tmp_path, dem
     clip range (on-policy, 2 passes per batch: the second one clips whole sequences). Held-out accuracy rises by
     30+ points; every push of the merged weights lands in vLLM (probe). --ref-sync-every 5: the server reloads
     (a failed /reload fails the run) the merged checkpoint, which is the policy: the saved adapters on the base
-    model. --eval-only scores the step folder as any model: greedy decoding through the training-time
-    evaluation's vLLM path (the same accuracy), with no reference server and no training. (A LoRA run's resume,
-    bit for bit, is tests/test_checkpoint.py's.)"""
+    model, and a model folder as any other (--eval-only on a step folder runs in
+    test_the_documented_lines_as_written_two_at_once_eval_only_and_ctrl_c). (A LoRA run's resume, bit for bit,
+    is tests/test_checkpoint.py's.)"""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     lora = ["--lora-rank", "16", "--lr", "3e-3", "--ratio-level", "sequence", "--eps-low", "3e-4",
@@ -280,20 +280,10 @@ def test_lora_with_gspo_learns_pushes_merged_weights_and_evaluates(tmp_path, dem
         policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(demo_model), step_10 / "adapter")
         torch.testing.assert_close(merged, policy(ids).logits, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(merged, AutoModelForCausalLM.from_pretrained(demo_model)(ids).logits, atol=1e-3)
-    # a LoRA step folder evaluates as any model: --eval-only scores step 10 as the run's last evaluation did
-    # (its run's lengths, --max-new-tokens 12 --max-prompt-len 16, come from the run's config.yaml)
-    cmd = [DEEPSPEED, "--num_gpus", "1", "--master_port", str(next_port()), "grpo_train.py", "--model",
-           str(step_10), "--out-dir", str(tmp_path / "eval"), "--eval-only"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    assert "is step 10 of a run; evaluating it as that run did: --max-new-tokens 12 --max-prompt-len 16" in p.stdout
-    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
-    assert result["eval/size"] == 90 and result["eval/accuracy"] == pytest.approx(evals[-1], abs=0.02), result
-    assert result["step"] == 10 and result["task"] == "demo"
-    assert result["eval/format"] == 0.0   # the demo answers without <think>: the strict format reward says 0
-    assert json.dumps(result) in p.stdout and not (tmp_path / "eval" / "metrics.jsonl").exists()
-    # no training lines: no trainable parameters, no prompts to train on, no training ranks
-    assert not re.search(r"trainable parameters|to train on|training rank", p.stdout), p.stdout
+    # --eval-only of the folder takes its run's lengths (config.yaml), not its --lora-rank: the merged model
+    from grpo_train import get_args
+    args = get_args(["--model", str(step_10), "--eval-only"])
+    assert (args.eval_step, args.lora_rank, args.max_new_tokens, args.max_prompt_len) == (10, 0, 12, 16)
 
 
 def test_own_data_in_one_file_and_no_learning_signal_said_aloud(tmp_path, tiny_model):
@@ -474,6 +464,7 @@ def test_the_documented_lines_as_written_two_at_once_eval_only_and_ctrl_c(tmp_pa
     samples = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
     assert len(samples) == 20 * 4 and samples[0]["answer"] == str(eval(samples[0]["prompt"].rstrip("=")))
 
+    logged = (run / "metrics.jsonl").read_text()
     p = subprocess.run(documented(*EVAL_ONLY), cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     assert "--eval-only: runs/sums/step_20 is step 20 of a run; evaluating it as that run did: --task custom " \
@@ -483,6 +474,11 @@ def test_the_documented_lines_as_written_two_at_once_eval_only_and_ctrl_c(tmp_pa
     assert (result["step"], result["task"], result["data"], result["eval/size"]) == (
         20, "custom", "demo/sums.jsonl", 20)
     assert result["eval/accuracy"] == pytest.approx(rows[-1]["eval/accuracy"])
+    # the strict format reward (<think> ... </think>) is scored too: sums are answered without it
+    assert result["eval/format"] == 0.0
+    # no training: no trainable parameters, no prompts to train on, no training ranks, no step logged
+    assert not re.search(r"trainable parameters|to train on|training rank", p.stdout), p.stdout
+    assert (run / "metrics.jsonl").read_text() == logged and not (run / "step_20" / "metrics.jsonl").exists()
     outputs = [json.loads(line) for line in (run / "step_20" / "eval_completions.jsonl").read_text().splitlines()]
     held_out = [json.loads(line) for line in (run / "eval_completions.jsonl").read_text().splitlines()]
     assert sorted(r["prompt"] for r in outputs) == sorted(r["prompt"] for r in held_out if r["eval/step"] == 20)

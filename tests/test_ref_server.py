@@ -249,14 +249,14 @@ def test_client_takes_the_token_from_the_environment(server, model):
     assert yes.returncode == 0 and yes.stdout.strip() == "ok", yes.stderr[-2000:]
 
 
-def test_import_is_light(server_proc):  # server_proc: runs while the server boots
+def test_import_is_light():
     # the trainer imports the client (and so ref_server) at its top: that must not pull in transformers/grpo_train
     # or start anything
     code = "import sys, ref_client; assert not {'transformers', 'grpo_train'} & set(sys.modules), sys.modules.keys()"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
-def test_standalone_imports_no_project_module(tmp_path, server_proc):
+def test_standalone_imports_no_project_module(tmp_path):
     """ref_server.py copied alone to another folder (the reference machine) imports and names no project module."""
     import ast
     project = {f.removesuffix(".py") for f in os.listdir(ROOT) if f.endswith(".py")} | {"demo", "bench", "tests"}
@@ -284,7 +284,7 @@ def test_exposure_error(host, token, insecure, refused):
         assert f"--host {host} " in err and "REF_SERVER_TOKEN" in err and "--insecure" in err
 
 
-def test_refuses_network_host_without_token(server_proc):  # server_proc: runs while the server boots
+def test_refuses_network_host_without_token():
     # exits before loading the model or binding the port: a missing model would fail with a traceback
     r = subprocess.run([sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", "/nonexistent",
                         "--host", "0.0.0.0", "--port", str(next_port())],
