@@ -10,9 +10,9 @@ export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 # (the venv's ninja 1.13 and a system ninja 1.11 each rebuilt the op the other had built, ~30 s each time)
 SYSTEM_PYTHON := $(shell command -v python3)
 export PATH := $(abspath $(VENV))/bin:$(PATH)
-# pip installs without compiling each of the ~26,000 modules of the two venvs (~100 s of CPU each, on the
-# install's one core); Python compiles a module the first time it is imported, about a quarter of them,
-# and keeps it. So here it may write them, even where the environment says not to (a non-empty value).
+# pip installs without compiling every module (the first venv's 26,276 took 104 s of CPU, on the install's
+# one core); Python compiles a module the first time it is imported (a quarter of them, at most) and keeps
+# it. So here it may write them, even where the environment says not to (a non-empty value).
 PIP_INSTALL := pip install -q --no-compile
 export PYTHONDONTWRITEBYTECODE :=
 
