@@ -261,9 +261,9 @@ def test_lora_with_gspo_learns_pushes_merged_weights_and_evaluates(tmp_path, dem
     clip range (on-policy, 2 passes per batch: the second one clips whole sequences). Held-out accuracy rises by
     30+ points; every push of the merged weights lands in vLLM (probe). --ref-sync-every 5: the server reloads
     (a failed /reload fails the run) the merged checkpoint, which is the policy: the saved adapters on the base
-    model, and a model folder as any other (--eval-only on a step folder runs in
-    test_the_documented_lines_as_written_two_at_once_eval_only_and_ctrl_c). (A LoRA run's resume, bit for bit,
-    is tests/test_checkpoint.py's.)"""
+    model. --eval-only of that folder takes the run's lengths, not its --lora-rank (a step folder's --eval-only
+    launch runs in test_the_documented_lines_as_written_two_at_once_eval_only_and_ctrl_c; a LoRA run's resume,
+    bit for bit, in tests/test_checkpoint.py)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     lora = ["--lora-rank", "16", "--lr", "3e-3", "--ratio-level", "sequence", "--eps-low", "3e-4",
