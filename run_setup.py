@@ -3,7 +3,6 @@ checks, the model and DeepSpeed engine, the prompts, and how the ranks share a b
 it; read that first. A user's mistake (a flag, the data) stops the run with one line (stop_with); a
 traceback means a bug."""
 import argparse
-import contextlib
 import datetime
 import gc
 import json
@@ -122,9 +121,11 @@ def init_distributed(timeout_minutes, threads):
                   "--num_gpus 1 grpo_train.py --model ... (docs: README.md)")
     if torch.cuda.is_available():   # before any collective
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    # DeepSpeed builds its CPU op where TORCH_EXTENSIONS_DIR says, else in ~/.cache: a launch by hand from the
-    # venv then rebuilt what `make` had built in the venv (~90 s); the venv's folder, as the Makefile's
+    # DeepSpeed builds CPU Adam (ds_config_offload.json) where TORCH_EXTENSIONS_DIR says, else in ~/.cache: a
+    # launch by hand from the venv then rebuilt what `make` had built in the venv; the venv's folder, as the
+    # Makefile's
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    skip_shm_allreduce_op()
     # until the loop takes Ctrl-C (checkpoints.StopAfterStep), a rank and the processes it starts (the
     # engines, the reference server: they inherit it) ignore a terminal's SIGINT: the launcher stops them
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -143,25 +144,20 @@ def init_distributed(timeout_minutes, threads):
                   f"taken (another run on this machine?): give this run another with the launcher's "
                   f"--master_port, e.g. deepspeed --master_port {free_port()} ...")
     del rendezvous
-    unlink_shm_buffer()
     # raising on SIGTERM runs exit handlers, which stop the generation process
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     torch.set_num_threads(threads)
     return dist.get_rank(), dist.get_world_size()
 
 
-def unlink_shm_buffer():
-    """DeepSpeed 0.19.8's CPU allreduce (ops/csrc/cpu/comm/shm.cpp), used when every rank is on one node,
-    puts a 66 MB buffer per rank in /dev/shm and never unlinks it: each CPU launch left its ranks' buffers
-    there (301 had filled 20 GB of this machine's 24 GB tmpfs, and vLLM's CPU worker then refused to start
-    for want of memory). Every rank has mapped every buffer once all have left init_distributed, so each
-    removes its own name then: the memory stays mapped until the ranks exit, a killed run's included."""
-    dist.barrier()
-    name = "_".join(["deepspeed_allreduce_buffer", str(os.getuid()), os.environ.get("MASTER_ADDR", ""),
-                     os.environ.get("MASTER_PORT", ""), str(dist.get_rank())])
-    # none on GPUs, or across nodes: DeepSpeed makes it only for CPU ranks that share one node
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join("/dev/shm", name))
+def skip_shm_allreduce_op():
+    """On CPU, DeepSpeed 0.19.8's init_distributed JIT-compiles a shared-memory all-reduce op (about a minute,
+    once per venv) and maps a 66 MB buffer per rank in /dev/shm that it never removes. Only its tensor-parallel
+    inference layers call that op (dist.inference_all_reduce); ZeRO's training collectives go through
+    torch.distributed (deepspeed/comm/torch.py: TorchBackend.all_reduce). Marked unusable in the table of
+    compatible ops, which DeepSpeed fills once per process and keeps, build_shm_op returns None: nothing is
+    built, loaded or mapped. A GPU's accelerator has no such op: nothing changes there."""
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_batch, steps, num_iterations,

@@ -99,9 +99,10 @@ def train(a, path):
     import deepspeed
     import torch
     from grpo_train import completion_logps, grpo_loss
-    from run_setup import build_engine, load_policy
+    from run_setup import build_engine, load_policy, skip_shm_allreduce_op
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
+    skip_shm_allreduce_op()
     deepspeed.init_distributed()
     model = load_policy(path, a.grad_ckpt)[0]
     engine = build_engine(model, os.path.join(ROOT, a.ds_config), lr=1e-6, micro_batch=a.micro_batch)

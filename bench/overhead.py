@@ -41,8 +41,7 @@ def system_run(a, extra, out):
 def alone(a, extra, out):
     """In this process: the same loop serially, each phase timed -> {phase: seconds per step}."""
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", RANK="0", LOCAL_RANK="0",
-                      WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
-                      TORCH_EXTENSIONS_DIR=os.path.join(sys.prefix, "torch_extensions"))
+                      WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
     import torch
     torch.set_num_threads(1)   # before vLLM: its CPU worker refuses to change it afterwards
     from vllm import LLM

@@ -64,8 +64,6 @@ def main(argv=None):
     model_dir = a.model or os.path.join(out, "model")
     os.makedirs(out, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                  os.path.join(sys.prefix, "torch_extensions")),
            # the bars of loading and saving the model would only cut into the step lines
            "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     if not torch.cuda.is_available():

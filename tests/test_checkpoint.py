@@ -22,8 +22,9 @@ os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0
 import deepspeed, torch
 from safetensors.torch import save_file
 from checkpoints import load_checkpoint, read_state, save_checkpoint
-from run_setup import build_engine, load_policy
+from run_setup import build_engine, load_policy, skip_shm_allreduce_op
 
+skip_shm_allreduce_op()
 deepspeed.init_distributed()
 model, tok = load_policy(model, grad_ckpt=False, lora_rank=int(lora_rank))
 engine = build_engine(model, "ds_config.json", lr=1e-2, micro_batch=4)
