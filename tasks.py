@@ -18,9 +18,11 @@ of the train split. A problem with the user's data is a DataError naming the fil
 """
 import itertools
 import json
+import operator
 import os
 import random
 import re
+from fractions import Fraction
 
 import rewards
 
@@ -28,6 +30,7 @@ SYSTEM_PROMPT = ("You are a careful problem solver. First think step by step ins
                  "give only the final answer inside <answer> </answer>.")
 COUNTDOWN_SIZES = {"train": 10000, "test": 500}
 COUNTDOWN_TEST_SEED = 1234   # the held-out problems never depend on --seed, so runs compare
+ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 HUB_TIMEOUT = 10   # seconds to ask the hub whether a --data name is a dataset of its
 
@@ -163,20 +166,23 @@ def gsm8k_samples(split: str, data: str | None, tokenizer, chat_template: str) -
 
 def countdown_problems(n: int, seed: int, exclude=frozenset()) -> list[dict]:
     """n distinct solvable problems: 3 or 4 numbers in 1..99 combined by a random expression (kept as
-    "solution") whose value, an integer in 1..999, is the target."""
+    "solution") whose value, an integer in 1..999, is the target. The value is worked out exactly as the
+    expression is built (None once it divides by zero), not parsed back from its text: that took 40% of the
+    time to draw the 10,500 problems of a run (about 54,000 drafts)."""
     rng, out, seen = random.Random(seed), [], set(exclude)
     while len(out) < n:
         numbers = [rng.randint(1, 99) for _ in range(rng.choice((3, 4)))]
-        terms = [str(x) for x in rng.sample(numbers, len(numbers))]
+        terms = [(str(x), Fraction(x)) for x in rng.sample(numbers, len(numbers))]
         while len(terms) > 1:   # join two random neighbours with a random operator
             i = rng.randrange(len(terms) - 1)
-            terms[i:i + 2] = [f"({terms[i]} {rng.choice('+-*/')} {terms[i + 1]})"]
-        solution = terms[0][1:-1]
-        value = rewards.countdown_value(solution)
+            (left, x), (right, y), op = terms[i], terms[i + 1], rng.choice("+-*/")
+            value = None if x is None or y is None or (op == "/" and y == 0) else ARITHMETIC[op](x, y)
+            terms[i:i + 2] = [(f"({left} {op} {right})", value)]
+        (solution, value), = terms
         key = (tuple(sorted(numbers)), value)
         if value is not None and value.denominator == 1 and 1 <= value <= 999 and key not in seen:
             seen.add(key)
-            out.append({"numbers": numbers, "target": int(value), "solution": solution})
+            out.append({"numbers": numbers, "target": int(value), "solution": solution[1:-1]})
     return out
 
 
