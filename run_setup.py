@@ -15,6 +15,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import transformers
+from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -156,8 +157,10 @@ def skip_shm_allreduce_op():
     inference layers call that op (dist.inference_all_reduce); ZeRO's training collectives go through
     torch.distributed (deepspeed/comm/torch.py: TorchBackend.all_reduce). Marked unusable in the table of
     compatible ops, which DeepSpeed fills once per process and keeps, build_shm_op returns None: nothing is
-    built, loaded or mapped. A GPU's accelerator has no such op: nothing changes there."""
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    built, loaded or mapped. A GPU's accelerator has no such op, and build_shm_op stops before that table:
+    so does this, so as not to fill it there (a probe of every op, compilers included)."""
+    if get_accelerator().create_op_builder("ShareMemCommBuilder") is not None:
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_batch, steps, num_iterations,
