@@ -157,8 +157,9 @@ def skip_shm_allreduce_op():
     inference layers call that op (dist.inference_all_reduce); ZeRO's training collectives go through
     torch.distributed (deepspeed/comm/torch.py: TorchBackend.all_reduce). Marked unusable in the table of
     compatible ops, which DeepSpeed fills once per process and keeps, build_shm_op returns None: nothing is
-    built, loaded or mapped. A GPU's accelerator has no such op, and build_shm_op stops before that table:
-    so does this, so as not to fill it there (a probe of every op, compilers included)."""
+    built, loaded or mapped (on gloo, the CPU backend here; with oneccl_bindings_for_pytorch installed,
+    DeepSpeed's ccl backend would map buffers of its own). A GPU's accelerator has no such op, and
+    build_shm_op stops before that table: so does this, so as not to fill it there (a probe of every op)."""
     if get_accelerator().create_op_builder("ShareMemCommBuilder") is not None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 

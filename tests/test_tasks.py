@@ -1,5 +1,6 @@
 """Prompt sets (tasks.py) and the Countdown checker: local GSM8K files, chat-template prompts, Countdown
 generation, the `ast` checker against hostile input, prompt-length skipping."""
+import hashlib
 import json
 import os
 import re
@@ -119,6 +120,13 @@ def test_real_gsm8k_files():
 
 
 def test_countdown_problems_are_seeded_solvable_and_held_out():
+    # the held-out problems are the same in every version, so that runs compare: the first three, and all 500
+    assert tasks.countdown_problems(3, tasks.COUNTDOWN_TEST_SEED) == [
+        {"numbers": [7, 10, 76], "target": 228, "solution": "(10 - 7) * 76"},
+        {"numbers": [29, 65, 12], "target": 106, "solution": "12 + (65 + 29)"},
+        {"numbers": [69, 20, 64, 99], "target": 84, "solution": "((99 - 20) + 69) - 64"}]
+    held_out = json.dumps(tasks.countdown_problems(500, tasks.COUNTDOWN_TEST_SEED)).encode()
+    assert hashlib.sha256(held_out).hexdigest() == "fc7f0130179ecfe2e6958bfdc251b825a8894a8af62dd2e85c28bde20ee505ac"
     a = tasks.countdown_problems(300, seed=7)
     assert a == tasks.countdown_problems(300, seed=7) and a != tasks.countdown_problems(300, seed=8)
     test = tasks.load_task("countdown", "test", tokenizer=TOK)
