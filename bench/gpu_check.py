@@ -91,9 +91,7 @@ def run_grpo(a, s, model, out, gpus):
     server, and every push goes through vLLM's weight-transfer API (NCCL with 3+ GPUs, CUDA IPC on one,
     gloo on CPU); its output goes on to the console -> (seconds taken, its start-up line's "vLLM V engine(s)
     on ..., weights by B")."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR",
-                                                  os.path.join(sys.prefix, "torch_extensions"))}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     deepspeed = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or "deepspeed"
     # the launcher's port, held until the run ends: the trainer's rendezvous binds it once it has started
     hold, port = held_port()

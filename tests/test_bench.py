@@ -15,7 +15,7 @@ BENCH = os.path.join(ROOT, "bench")
 SCRIPTS = sorted(f for f in os.listdir(BENCH) if f.endswith(".py") and not f.startswith("_"))
 
 
-def run(*args, timeout=900):   # gpu_bench.py, gpu_check.py set TORCH_EXTENSIONS_DIR for their children
+def run(*args, timeout=900):   # gpu_bench.py sets TORCH_EXTENSIONS_DIR for its children; the trainer its own
     p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout
