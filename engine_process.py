@@ -7,6 +7,7 @@ reference servers score each batch, loads each push and checks it (the probe), a
 held-out set; and the process exits once its trainer is gone, whatever call it is blocked in."""
 import atexit
 import datetime
+import gc
 import importlib.util
 import logging
 import os
@@ -83,6 +84,20 @@ VLLM_NOISE = [
 # a reload's "<layer>: Failed to load weights" for layers whose weights a push never carries (never_pushed);
 # any other layer's still shows, and weight_transfer.unloaded_layers makes it an error
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def import_vllm():
+    """Imports vLLM (weight_transfer.py's imports) with the garbage collector off: as their objects pile up
+    it would walk them again and again, about 1 s of CPU in each process that imports them. They live as
+    long as the process, so they are then frozen (gc.freeze): later collections leave them out. A
+    collection first, so that no garbage made before them is frozen too."""
+    gc.collect()
+    gc.disable()
+    try:
+        import weight_transfer  # noqa: F401
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 def never_pushed(model):
@@ -255,6 +270,7 @@ def serve(rollout, reference, engine_kw, job, train_set, eval_share, control, re
 
 def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, results, answers):
     """serve's loop."""
+    import_vllm()
     from weight_transfer import apply_transfer, register_gloo, shutdown_transfer
     index, engines = job["index"], job["engines"]
     # the trainer's pid as it gave it: one that died while this process was still importing must be seen

