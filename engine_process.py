@@ -87,17 +87,22 @@ RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 def import_vllm():
-    """Imports vLLM (weight_transfer.py's imports) with the garbage collector off: as their objects pile up
-    it would walk them again and again, about 1 s of CPU in each process that imports them. They live as
-    long as the process, so they are then frozen (gc.freeze): later collections leave them out. A
-    collection first, so that no garbage made before them is frozen too."""
+    """A process's first import of vLLM (weight_transfer.py's imports), with the garbage collector off: as
+    their objects pile up it would walk them again and again, about 1 s of CPU in each process that imports
+    them. Then the heap as it stands, mostly modules' objects that live as long as the process, is frozen
+    (gc.freeze): later collections leave it out. A full collection first, so that no garbage made before is
+    frozen with it. Once vLLM is imported, a call does nothing."""
+    if "weight_transfer" in sys.modules:
+        return
     gc.collect()
+    was_on = gc.isenabled()
     gc.disable()
     try:
         import weight_transfer  # noqa: F401
     finally:
         gc.freeze()
-        gc.enable()
+        if was_on:
+            gc.enable()
 
 
 def never_pushed(model):

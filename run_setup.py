@@ -228,6 +228,9 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
     ] if bad]
     if problems:
         stop_with("; ".join(problems))
+    # rank 0's first import of vLLM (it exits in one line on a vLLM outside the range this trainer runs on)
+    if first_rank():
+        import_vllm()
     if first_rank() and gen_servers:
         from remote_engine import check_servers
         check_servers(gen_servers, model=model, max_len=max_prompt_len + max_new_tokens, world=world,
@@ -236,8 +239,6 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         on = "GPU" if torch.cuda.is_available() else "CPU"
         engines, servers = gen_devices or [gen_device], server_urls(ref_url or "")
         where = f"GPU {','.join(map(str, engines))}" if on == "GPU" else on
-        # (importing weight_transfer exits in one line on a vLLM outside the range this trainer runs on)
-        import_vllm()
         from weight_transfer import transfer_backend, vllm as installed
         vllm = f"{len(engines)} vLLM {installed.__version__} engine{'s' * (len(engines) > 1)} on {where}"
         if gen_servers:
