@@ -58,7 +58,8 @@ def main(argv=None):
                    help="reference servers (each on a port of its own; the batch is split across them)")
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     t_start = time.time()
-    # SIGTERM ends the demo the way Ctrl-C does, by raising, so the `finally`s below stop what it started
+    # until the launch, SIGTERM ends the demo the way Ctrl-C does, by raising, so the `finally`s below stop
+    # what it started
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     out = os.path.abspath(a.out_dir)
     model_dir = a.model or os.path.join(out, "model")
@@ -103,7 +104,8 @@ def main(argv=None):
                                 *TRAIN_FLAGS, *fresh, *extra], cwd=ROOT, env=env, start_new_session=True)
         # Ctrl-C reaches this process's group, not the launcher's: each one is passed on, as a terminal
         # passes it to a launch by hand (docs/checkpoints.md: the ranks finish the step, save it and print
-        # the line that continues the run; a second stops at once)
+        # the line that continues the run; a second stops at once). SIGTERM is passed on the same way: as
+        # SIGTERM, the launcher's own SIGTERM to the ranks would be their second, which stops at once
         stopped = []
 
         def pass_on(signum, frame):
@@ -111,6 +113,7 @@ def main(argv=None):
             with contextlib.suppress(ProcessLookupError):   # the run has ended
                 os.killpg(run.pid, signal.SIGINT)
         signal.signal(signal.SIGINT, pass_on)
+        signal.signal(signal.SIGTERM, pass_on)
         try:
             while run.poll() is None:   # a server that dies stops the run now, not after --ref-wait
                 for server in servers:
@@ -122,7 +125,7 @@ def main(argv=None):
             if stopped:
                 if not group_ended(run.pid, timeout=90):
                     os.killpg(run.pid, signal.SIGKILL)
-                raise SystemExit(128 + signal.SIGINT)
+                raise SystemExit(128 + stopped[0])
             if run.returncode != 0:
                 raise SystemExit(f"run_demo: grpo_train.py failed (exit code {run.returncode})")
         finally:

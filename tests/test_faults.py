@@ -254,10 +254,10 @@ def test_sigterm_to_the_deepspeed_launcher_stops_every_process(tmp_path, tiny_mo
 def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, how):
     """SIGTERM to run_demo, Ctrl-C (SIGINT to its process group), or the reference server (which rank 0 started)
     killed: the reference server, the launcher, the ranks and vLLM all end (the last within seconds, not after
-    --ref-wait). run_demo passes the Ctrl-C on to the launcher's group, so the run stops as a launch by hand
-    does: the ranks finish the step, save it and print the line that continues the run; the only traceback
-    is the launcher's own KeyboardInterrupt. However it stops, no process is reported to have leaked a
-    semaphore."""
+    --ref-wait). run_demo passes a Ctrl-C or a SIGTERM on to the launcher's group as a Ctrl-C, so the run
+    stops as a launch by hand does: the ranks finish the step, save it and print the line that continues the
+    run; the only traceback is the launcher's own KeyboardInterrupt. However it stops, no process is reported
+    to have leaked a semaphore."""
     log = open(tmp_path / "run.log", "w")
     # SIGINT as a terminal delivers it: a test run started in the background by a shell inherits it ignored
     proc = subprocess.Popen([sys.executable, "-m", "demo.run_demo", "--model", demo_model, "--out-dir", str(tmp_path),
@@ -278,11 +278,13 @@ def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, 
     assert proc.wait() != 0
     said = open(proc.log).read()
     assert "resource_tracker" not in said, said[-3000:]
-    if how == "Ctrl-C":
+    if how in ("SIGTERM", "Ctrl-C"):
         stopped = re.search(r"^stopped after step (\d+) of 100000 \(Ctrl-C\): .* last checkpoint "
                             rf"{tmp_path}/step_(\d+); to continue:$", said, re.M)
         assert stopped and stopped.group(1) == stopped.group(2), said[-3000:]
-        assert (tmp_path / "latest").read_text() == f"step_{stopped.group(1)}" and proc.returncode == 130
+        assert (tmp_path / "latest").read_text() == f"step_{stopped.group(1)}"
+        assert proc.returncode == {"SIGTERM": 143, "Ctrl-C": 130}[how]
+        assert "terminate called" not in said, said[-3000:]   # no process aborted on its way out
         lines = said.splitlines()
         tracebacks = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
         assert [i for i in tracebacks if "deepspeed/launcher/runner.py" not in "\n".join(lines[i:i + 4])] == [], said
