@@ -294,7 +294,7 @@ def main(args):
             gen.reload_reference(state["ref"], step)
     shut_down(gen if master_process else None, stop.requested)
     if master_process:
-        log.close(state["step"], stop.resume if stop.requested else None, gen.take_evals())
+        log.close(state["step"], stop.ending(), gen.take_evals())
 
 if __name__ == "__main__":
     main(get_args())

@@ -396,11 +396,11 @@ class MetricsLog:
                 self.progress.say(f"no plot: {e.name} is not installed (pip install -r requirements.txt)")
             self.plot_failed = True
 
-    def close(self, step, resume=None, evals=None):
-        """The end of a run (resume: the line that continues a stopped one): the evaluations that arrived
-        after the last line (a stopped run's; take_evals' form), a line each; the plot, tensorboard's and
-        W&B's files closed, and the closing line: held-out accuracy before -> after, the steps, the wall
-        time since the launch, the last checkpoint."""
+    def close(self, step, stopped=None, evals=None):
+        """The end of a run (stopped: a stopped one's StopAfterStep.ending, what stopped it and the line
+        that continues it): the evaluations that arrived after the last line (a stopped run's; take_evals'
+        form), a line each; the plot, tensorboard's and W&B's files closed, and the closing line: held-out
+        accuracy before -> after, the steps, the wall time since the launch, the last checkpoint."""
         if evals:
             self.write_evals(step, [*evals.pop("eval/earlier", []), evals])
         if self.file is None:
@@ -416,9 +416,10 @@ class MetricsLog:
         accuracy = f"held-out accuracy {accuracy}" if self.evals else "no evaluation"
         checkpoint = os.path.join(self.out_dir, f"step_{step}") if step else "none"
         ran = f"steps {self.first_step}-{step}" if step >= self.first_step else "no step"
-        end = f"stopped after step {step} of {self.steps} (Ctrl-C)" if resume else "done"
+        how, resume = stopped or (None, None)
+        end = f"stopped after step {step} of {self.steps} ({how})" if stopped else "done"
         self.progress.say(f"{end}: {accuracy}; {ran} in {took}; last checkpoint {checkpoint}"
-                          + (f"; to continue:\n{resume}" if resume else ""))
+                          + (f"; to continue:\n{resume}" if stopped else ""))
 
     def write_eval(self, n, evals):
         """--eval-only: the result, as one JSON line on stdout and in eval.json (with the held-out outputs

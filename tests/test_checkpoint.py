@@ -302,3 +302,42 @@ def test_zero_where_a_count_is_needed_is_one_line(capsys):
         (line,) = capsys.readouterr().err.splitlines()
         assert stop.value.code == 1 and line == (f"grpo_train.py: argument {flag}: invalid at_least_one value: "
                                                  f"'0' (--help lists the flags)")
+
+
+STOP_PROBE = """
+import os, signal, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+from checkpoints import StopAfterStep, StopNow
+def outcome(stop, signum):
+    try:
+        stop.on_signal(signum, None)
+        return "asked"
+    except StopNow as e:
+        return f"now {e.code}"
+stop = StopAfterStep()
+print(stop.ending())
+# a SIGTERM to the launcher's whole group, then the launcher's own: one request
+print(outcome(stop, signal.SIGTERM), outcome(stop, signal.SIGTERM), stop.ending()[0])
+# a terminal's Ctrl-C is a request of its own kind; a second stops at once
+print(outcome(stop, signal.SIGINT), outcome(stop, signal.SIGINT))
+# a SIGTERM after the launcher's echo would have come: a second request, which stops at once
+time.sleep(StopAfterStep.ECHO_S + 0.1)
+print(outcome(stop, signal.SIGTERM))
+stop = StopAfterStep()
+print(outcome(stop, signal.SIGINT), outcome(stop, signal.SIGTERM), stop.ending()[0])
+"""
+
+
+def test_stop_requests_a_second_signal_of_a_kind_stops_at_once_but_the_launchers_echo_does_not():
+    """StopAfterStep, the handler of Ctrl-C and SIGTERM in the loop: the first of each kind asks for the
+    stop, a second of the same kind stops at once (StopNow), except a SIGTERM within ECHO_S of the first
+    (deepspeed's launcher passing on one that reached its whole process group). ending() names what asked
+    first, with the line that continues the run."""
+    out = subprocess.run([sys.executable, "-c", STOP_PROBE % next_port()], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = "the run stops after this step, with a checkpoint ({0} again: at once)"
+    assert [line for line in out.stdout.splitlines() if line] == [
+        "None", "SIGTERM: " + said.format("SIGTERM"), "asked asked SIGTERM", "asked now 130", "now 143",
+        "Ctrl-C: " + said.format("Ctrl-C"), "asked asked Ctrl-C"], out.stdout

@@ -239,15 +239,30 @@ def assert_all_gone(family, timeout=90):
     raise AssertionError(f"still running: {[(p.pid, command_of(p)[:100]) for p in alive]}")
 
 
-def test_sigterm_to_the_deepspeed_launcher_stops_every_process(tmp_path, tiny_model):
-    """deepspeed's single-node runner dies on SIGTERM without passing it on; rank 0 notices its launcher is gone
-    and stops, taking the generation process with it: nothing is left behind."""
+@pytest.mark.parametrize("to", ["the launcher", "its process group"])
+def test_sigterm_to_the_deepspeed_launcher_stops_every_process(tmp_path, tiny_model, to):
+    """SIGTERM to deepspeed's single-node runner alone: it dies without passing it on; rank 0 notices its
+    launcher is gone and stops, taking the generation process with it: nothing is left behind.
+    SIGTERM to the launch's whole process group, as a scheduler stops a job: each rank gets it twice, from the
+    scheduler and from launch.py passing it on, and takes the two for one request: the run finishes the step,
+    saves it and prints the line that continues it, naming SIGTERM, and no process aborts."""
     proc = launch(tmp_path, tiny_model, "--beta", "0", "--steps", "100000")
     wait_for_step(proc, tmp_path, 1)
     family = family_of(proc.pid)
     assert len(family) >= 4   # runner, launch.py, rank 0, the vLLM generation process
-    proc.send_signal(signal.SIGTERM)
+    if to == "the launcher":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
     assert_all_gone(family)
+    if to == "its process group":
+        said = open(proc.log).read()
+        assert "SIGTERM: the run stops after this step, with a checkpoint (SIGTERM again: at once)" in said, said
+        stopped = re.search(r"^stopped after step (\d+) of 100000 \(SIGTERM\): .* last checkpoint "
+                            rf"{tmp_path}/step_(\d+); to continue:$", said, re.M)
+        assert stopped and stopped.group(1) == stopped.group(2), said[-3000:]
+        assert (tmp_path / "latest").read_text() == f"step_{stopped.group(1)}"
+        assert "terminate called" not in said and "Traceback" not in said, said[-3000:]
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "ref server dies"])

@@ -124,7 +124,7 @@ def test_the_closing_line_completions_and_held_out_outputs(tmp_path, capsys):
     for step in (1, 2, 3):
         evals = {"eval/accuracy": 0.25 * step, "eval/step": step - 1, "eval/rows": outputs} if step != 2 else {}
         log.write({"step": step, **row, **evals, "samples": samples})
-    log.close(3, resume="deepspeed grpo_train.py --model m/m --resume")
+    log.close(3, stopped=("Ctrl-C", "deepspeed grpo_train.py --model m/m --resume"))
     lines = capsys.readouterr().out.splitlines()
     assert re.fullmatch(rf"stopped after step 3 of 4 \(Ctrl-C\): held-out accuracy 0.250 \(step 0\) -> 0.750 "
                         rf"\(step 2\); steps 1-3 in \d+ (min \d+ )?s; last checkpoint {tmp_path}/step_3; to "
@@ -156,7 +156,7 @@ def test_a_stopped_run_keeps_the_evaluations_that_arrived_after_its_last_line(tm
     log.write({"step": 2, **row})
     arrived = {"eval/accuracy": 0.75, "eval/step": 2, "eval/rows": outputs,
                "eval/earlier": [{"eval/accuracy": 0.5, "eval/step": 1, "eval/rows": outputs}]}
-    log.close(2, resume="deepspeed grpo_train.py --model m/m --resume", evals=arrived)
+    log.close(2, stopped=("Ctrl-C", "deepspeed grpo_train.py --model m/m --resume"), evals=arrived)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], "loss" in r, r.get("eval/step")) for r in lines] == [
         (1, True, 0), (2, True, None), (2, False, 1), (2, False, 2)]
@@ -204,7 +204,7 @@ def test_w_and_b_keeps_every_line_even_several_at_one_step(tmp_path, monkeypatch
     log.write({"step": 2, **row})
     arrived = {"eval/accuracy": 0.75, "eval/step": 2,
                "eval/earlier": [{"eval/accuracy": 0.5, "eval/step": 1}]}
-    log.close(2, resume="deepspeed grpo_train.py --model m/m --resume", evals=arrived)
+    log.close(2, stopped=("Ctrl-C", "deepspeed grpo_train.py --model m/m --resume"), evals=arrived)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     history = wandb_history(tmp_path)
     keys = ("step", "loss", "eval/step", "eval/accuracy")
