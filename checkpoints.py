@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import time
 
 import torch.distributed as dist
 from safetensors.torch import save_file
@@ -257,47 +256,44 @@ def prune_checkpoints(out_dir, step, keep, ref):
 
 
 class StopNow(SystemExit):
-    """A second Ctrl-C or SIGTERM: the run ends where it is (a checkpoint being written stays step_N.tmp,
-    never latest)."""
+    """A second Ctrl-C: the run ends where it is (a checkpoint being written stays step_N.tmp, never latest)."""
 
 
 class StopAfterStep:
     """Ctrl-C or SIGTERM during the loop: the run finishes the step it is in, saves a checkpoint and prints
-    the line that continues it; a second stops at once. deepspeed 0.19.8's launcher passes a Ctrl-C on as
-    SIGTERM to each rank and everything under it (launch.py, sigkill_handler: terminate_process_tree) and
-    kills what is left 30 s later; a terminal's Ctrl-C also reaches each process as SIGINT. So the first
-    SIGINT and the first SIGTERM each ask for the stop, and a second of either stops at once, except a
-    SIGTERM within ECHO_S of the first: the launcher passing on a SIGTERM that reached its whole process
-    group (a scheduler stopping the job), which each rank got already. The engines ignore SIGINT
-    (run_setup.init_distributed) but die of the launcher's SIGTERM: once stopping, rank 0 waits for none of
-    them (`wait`). Built on every rank before the loop (the launcher is alive then)."""
-
-    ECHO_S = 1.0
+    the line that continues it; a second Ctrl-C stops at once. deepspeed 0.19.8's launcher passes a Ctrl-C
+    or a SIGTERM on as SIGTERM to each rank and everything under it (launch.py, sigkill_handler:
+    terminate_process_tree), one rank after another, and kills what is left 30 s later; a terminal's Ctrl-C
+    also reaches each process as SIGINT, and a SIGTERM sent to the launch's whole process group (a job
+    scheduler) reaches each rank too. So a rank may get SIGTERM twice for one stop, seconds apart: SIGTERM
+    only ever asks. The engines ignore SIGINT (run_setup.init_distributed) but die of the launcher's SIGTERM:
+    once stopping, rank 0 waits for none of them (`wait`). Built on every rank before the loop (the
+    launcher is alive then)."""
 
     def __init__(self):
         from run_config import launch_command
-        self.requested, self.how, self.seen = False, None, {}
+        # the signals seen, and the first one's name for the stop's lines
+        self.requested, self.seen, self.asked_by = False, set(), None
         self.resume = launch_command(resume=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self.on_signal)
 
     def on_signal(self, signum, frame):
-        now, first = time.monotonic(), self.seen.get(signum)
-        # a SIGTERM sent to the launcher's whole group comes again from the launcher within moments
-        echo = signum == signal.SIGTERM and first is not None and now - first < self.ECHO_S
-        if first is not None and not echo:
+        if signum == signal.SIGINT and signum in self.seen:
             raise StopNow(128 + signum)
-        if not self.requested:
-            self.how = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
-            if dist.get_rank() == 0:
-                print(f"\n{self.how}: the run stops after this step, with a checkpoint ({self.how} again: at "
-                      f"once)", flush=True)
-        self.seen.setdefault(signum, now)
+        first = not self.requested
+        # recorded before the print, which can block: a second Ctrl-C meanwhile stops at once
+        self.seen.add(signum)
         self.requested = True
+        if first:
+            self.asked_by = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+            again = " (Ctrl-C again: at once)" if signum == signal.SIGINT else ""
+            if dist.get_rank() == 0:
+                print(f"\n{self.asked_by}: the run stops after this step, with a checkpoint{again}", flush=True)
 
     def ending(self):
         """-> None while the run goes on; after a stop, (what asked for it, the line that continues it)."""
-        return (self.how, self.resume) if self.requested else None
+        return (self.asked_by, self.resume) if self.requested else None
 
     def wait(self, wait, *args, **kw):
         """Rank 0's wait(*args, **kw) on the engines -> its value; None once a stop is asked for, before or

@@ -113,6 +113,14 @@ def add_system_args(p):
     return p
 
 
+def exit_on_sigterm(signum, frame):
+    """Until the loop, SIGTERM ends a rank: raising runs exit handlers, which stop the generation process.
+    Once: deepspeed's launcher passes on to each rank a SIGTERM that its whole process group got, and a
+    second raise would break into those handlers."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(128 + signum)
+
+
 def init_distributed(timeout_minutes, threads):
     """-> (rank, world size). One GPU per rank; until the loop (checkpoints.StopAfterStep), SIGTERM ends a
     rank and SIGINT is left to the launcher; `threads` torch threads, since the CPU is shared with vLLM and
@@ -146,8 +154,7 @@ def init_distributed(timeout_minutes, threads):
                   f"taken (another run on this machine?): give this run another with the launcher's "
                   f"--master_port, e.g. deepspeed --master_port {free_port()} ...")
     del rendezvous
-    # raising on SIGTERM runs exit handlers, which stop the generation process
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     torch.set_num_threads(threads)
     return dist.get_rank(), dist.get_world_size()
 

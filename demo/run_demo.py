@@ -104,8 +104,8 @@ def main(argv=None):
                                 *TRAIN_FLAGS, *fresh, *extra], cwd=ROOT, env=env, start_new_session=True)
         # Ctrl-C reaches this process's group, not the launcher's: each one is passed on, as a terminal
         # passes it to a launch by hand (docs/checkpoints.md: the ranks finish the step, save it and print
-        # the line that continues the run; a second stops at once). SIGTERM is passed on the same way: as
-        # SIGTERM, the launcher's own SIGTERM to the ranks would be their second, which stops at once
+        # the line that continues the run; a second stops at once). A SIGTERM is passed on as a Ctrl-C too,
+        # so that its second stops at once as well (a rank's second SIGTERM may be the launcher's own)
         stopped = []
 
         def pass_on(signum, frame):
@@ -117,7 +117,8 @@ def main(argv=None):
         try:
             while run.poll() is None:   # a server that dies stops the run now, not after --ref-wait
                 for server in servers:
-                    if server.poll() is not None:
+                    # (after a stop, a Ctrl-C or SIGTERM to this process's group ends them too)
+                    if server.poll() is not None and not stopped:
                         raise SystemExit(f"run_demo: ref_server.py exited with code {server.returncode} (its error "
                                          f"is above)")
                 time.sleep(0.5)

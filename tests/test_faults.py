@@ -239,44 +239,56 @@ def assert_all_gone(family, timeout=90):
     raise AssertionError(f"still running: {[(p.pid, command_of(p)[:100]) for p in alive]}")
 
 
-@pytest.mark.parametrize("to", ["the launcher", "its process group"])
+@pytest.mark.parametrize("to", ["the launcher", "its process group", "its process group at start-up"])
 def test_sigterm_to_the_deepspeed_launcher_stops_every_process(tmp_path, tiny_model, to):
     """SIGTERM to deepspeed's single-node runner alone: it dies without passing it on; rank 0 notices its
     launcher is gone and stops, taking the generation process with it: nothing is left behind.
-    SIGTERM to the launch's whole process group, as a scheduler stops a job: each rank gets it twice, from the
-    scheduler and from launch.py passing it on, and takes the two for one request: the run finishes the step,
-    saves it and prints the line that continues it, naming SIGTERM, and no process aborts."""
+    SIGTERM to the launch's whole process group, as a job scheduler stops a job: each rank gets it from the
+    sender and again from launch.py passing it on, one request: the run finishes the step, saves it and prints
+    the line that continues it, naming SIGTERM. The same before the loop (while vLLM starts): the rank exits
+    once, and its exit handlers run to the end. No process aborts, no traceback."""
     proc = launch(tmp_path, tiny_model, "--beta", "0", "--steps", "100000")
-    wait_for_step(proc, tmp_path, 1)
+    if to.endswith("start-up"):
+        deadline = time.time() + 120
+        while "grpo_train.py: model" not in open(proc.log).read():
+            assert proc.poll() is None and time.time() < deadline, open(proc.log).read()[-3000:]
+            time.sleep(0.2)
+    else:
+        wait_for_step(proc, tmp_path, 1)
     family = family_of(proc.pid)
-    assert len(family) >= 4   # runner, launch.py, rank 0, the vLLM generation process
+    assert len(family) >= 3   # runner, launch.py, rank 0 (and, in the loop, the vLLM generation process)
     if to == "the launcher":
         proc.send_signal(signal.SIGTERM)
     else:
         os.killpg(proc.pid, signal.SIGTERM)
     assert_all_gone(family)
+    said = open(proc.log).read()
     if to == "its process group":
-        said = open(proc.log).read()
-        assert "SIGTERM: the run stops after this step, with a checkpoint (SIGTERM again: at once)" in said, said
+        assert "SIGTERM: the run stops after this step, with a checkpoint\n" in said, said[-3000:]
         stopped = re.search(r"^stopped after step (\d+) of 100000 \(SIGTERM\): .* last checkpoint "
                             rf"{tmp_path}/step_(\d+); to continue:$", said, re.M)
         assert stopped and stopped.group(1) == stopped.group(2), said[-3000:]
         assert (tmp_path / "latest").read_text() == f"step_{stopped.group(1)}"
-        assert "terminate called" not in said and "Traceback" not in said, said[-3000:]
+    if to.startswith("its process group"):
+        assert not rows_of(tmp_path) if to.endswith("start-up") else rows_of(tmp_path), said[-3000:]
+        for sign in ("terminate called", "Traceback", "Exception ignored"):
+            assert sign not in said, said[-3000:]
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "ref server dies"])
 def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, how):
-    """SIGTERM to run_demo, Ctrl-C (SIGINT to its process group), or the reference server (which rank 0 started)
-    killed: the reference server, the launcher, the ranks and vLLM all end (the last within seconds, not after
-    --ref-wait). run_demo passes a Ctrl-C or a SIGTERM on to the launcher's group as a Ctrl-C, so the run
-    stops as a launch by hand does: the ranks finish the step, save it and print the line that continues the
-    run; the only traceback is the launcher's own KeyboardInterrupt. However it stops, no process is reported
-    to have leaked a semaphore."""
+    """SIGTERM to run_demo's process group (with two reference servers of the demo's own, which end at it),
+    Ctrl-C (SIGINT to that group), or the reference server (which rank 0 started) killed: the reference
+    servers, the launcher, the ranks and vLLM all end (the last within seconds, not after --ref-wait). run_demo passes a
+    Ctrl-C or a SIGTERM on to the launcher's group as a Ctrl-C, so the run stops as a launch by hand does:
+    the ranks finish the step, save it and print the line that continues the run; the only traceback is the
+    launcher's own KeyboardInterrupt. However it stops, no process is reported to have leaked a semaphore."""
+    # with SIGTERM, two reference servers of the demo's own: in its process group, they end at the signal too
+    servers = ["--ref-servers", "2"] if how == "SIGTERM" else []
     log = open(tmp_path / "run.log", "w")
     # SIGINT as a terminal delivers it: a test run started in the background by a shell inherits it ignored
     proc = subprocess.Popen([sys.executable, "-m", "demo.run_demo", "--model", demo_model, "--out-dir", str(tmp_path),
-                             "--steps", "100000"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                             "--steps", "100000", *servers], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     proc.log = log.name
     RUNS.append(proc)
@@ -284,7 +296,7 @@ def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, 
     family = family_of(proc.pid)
     assert any("ref_server.py" in command_of(p) for p in family) and len(family) >= 6
     if how == "SIGTERM":
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
     elif how == "Ctrl-C":
         os.killpg(proc.pid, signal.SIGINT)
     else:
