@@ -262,13 +262,13 @@ class StopNow(SystemExit):
 class StopAfterStep:
     """Ctrl-C or SIGTERM during the loop: the run finishes the step it is in, saves a checkpoint and prints
     the line that continues it; a second Ctrl-C stops at once. deepspeed 0.19.8's launcher passes a Ctrl-C
-    or a SIGTERM on as SIGTERM to each rank and everything under it (launch.py, sigkill_handler:
-    terminate_process_tree), one rank after another, and kills what is left 30 s later; a terminal's Ctrl-C
-    also reaches each process as SIGINT, and a SIGTERM sent to the launch's whole process group (a job
-    scheduler) reaches each rank too. So a rank may get SIGTERM twice for one stop, seconds apart: SIGTERM
-    only ever asks. The engines ignore SIGINT (run_setup.init_distributed) but die of the launcher's SIGTERM:
-    once stopping, rank 0 waits for none of them (`wait`). Built on every rank before the loop (the
-    launcher is alive then)."""
+    or a SIGTERM on as SIGTERM to each rank's processes in turn (launch.py, sigkill_handler:
+    terminate_process_tree), killing what is left of them 30 s later; a terminal's Ctrl-C also reaches each
+    process as SIGINT, and a SIGTERM sent to the launch's whole process group (a job scheduler) reaches each
+    rank too. So a rank may get SIGTERM twice for one stop, up to 30 s apart: SIGTERM only ever asks. Rank 0
+    makes the stop (it takes no more batches). The engines ignore SIGINT (run_setup.init_distributed) but
+    die of the launcher's SIGTERM: once stopping, rank 0 waits for none of them (`wait`). Built on every rank
+    before the loop (the launcher is alive then)."""
 
     def __init__(self):
         from run_config import launch_command

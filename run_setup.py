@@ -116,8 +116,9 @@ def add_system_args(p):
 def exit_on_sigterm(signum, frame):
     """Until the loop, SIGTERM ends a rank: raising runs exit handlers, which stop the generation process.
     Once: deepspeed's launcher passes on to each rank a SIGTERM that its whole process group got, and a
-    second raise would break into those handlers."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    second raise would break into those handlers (a handler that does nothing, not SIG_IGN, which a child
+    started meanwhile would inherit)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     sys.exit(128 + signum)
 
 

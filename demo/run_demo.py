@@ -61,6 +61,10 @@ def main(argv=None):
     # until the launch, SIGTERM ends the demo the way Ctrl-C does, by raising, so the `finally`s below stop
     # what it started
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # Ctrl-C raises here, and the processes started below take its default action, even where this one
+    # was started with it ignored (a background job of a shell script): the demo passes its stops on as
+    # a Ctrl-C, which the launcher must not ignore
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     out = os.path.abspath(a.out_dir)
     model_dir = a.model or os.path.join(out, "model")
     os.makedirs(out, exist_ok=True)
@@ -115,14 +119,15 @@ def main(argv=None):
         signal.signal(signal.SIGINT, pass_on)
         signal.signal(signal.SIGTERM, pass_on)
         try:
-            while run.poll() is None:   # a server that dies stops the run now, not after --ref-wait
+            # a server that dies stops the run now, not after --ref-wait (once stopping, the servers in
+            # this process's group may end at the same signal)
+            while run.poll() is None and not stopped:
                 for server in servers:
-                    # (after a stop, a Ctrl-C or SIGTERM to this process's group ends them too)
                     if server.poll() is not None and not stopped:
                         raise SystemExit(f"run_demo: ref_server.py exited with code {server.returncode} (its error "
                                          f"is above)")
                 time.sleep(0.5)
-            # the launcher's runner ends at once at a Ctrl-C, while the ranks save: wait for them too
+            # the ranks save after a stop: wait for the launcher's whole group, from the signal on
             if stopped:
                 if not group_ended(run.pid, timeout=90):
                     os.killpg(run.pid, signal.SIGKILL)
