@@ -272,22 +272,23 @@ class StopAfterStep:
 
     def __init__(self):
         from run_config import launch_command
-        # the signals seen, and the first one's name for the stop's lines
-        self.requested, self.seen, self.asked_by = False, set(), None
+        # whether a Ctrl-C came, and the first signal's name for the stop's lines
+        self.requested, self.ctrl_c, self.asked_by = False, False, None
         self.resume = launch_command(resume=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self.on_signal)
 
     def on_signal(self, signum, frame):
-        if signum == signal.SIGINT and signum in self.seen:
+        ctrl_c = signum == signal.SIGINT
+        if ctrl_c and self.ctrl_c:
             raise StopNow(128 + signum)
         first = not self.requested
         # recorded before the print, which can block: a second Ctrl-C meanwhile stops at once
-        self.seen.add(signum)
+        self.ctrl_c |= ctrl_c
         self.requested = True
         if first:
-            self.asked_by = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
-            again = " (Ctrl-C again: at once)" if signum == signal.SIGINT else ""
+            self.asked_by = "Ctrl-C" if ctrl_c else "SIGTERM"
+            again = " (Ctrl-C again: at once)" if ctrl_c else ""
             if dist.get_rank() == 0:
                 print(f"\n{self.asked_by}: the run stops after this step, with a checkpoint{again}", flush=True)
 

@@ -157,6 +157,14 @@ def wait_for_step(proc, out_dir, step, timeout=300):
         time.sleep(0.5)
 
 
+def wait_until(proc, ready, log, timeout=120, every=0.2):
+    """Poll ready() until it holds, proc alive meanwhile (else the end of its log says why)."""
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None and time.time() < deadline, open(log).read()[-3000:]
+        time.sleep(every)
+
+
 def start_ref_server(model, port, log_path):
     log = open(log_path, "a")
     proc = subprocess.Popen([sys.executable, "ref_server.py", "--model", model, "--port", str(port)], cwd=ROOT,
@@ -256,10 +264,7 @@ def test_sigterm_to_the_deepspeed_launcher_stops_every_process(tmp_path, tiny_mo
     once, and its exit handlers run to the end. No process aborts, no traceback."""
     proc = launch(tmp_path, tiny_model, "--beta", "0", "--steps", "100000")
     if to.endswith("start-up"):
-        deadline = time.time() + 120
-        while "grpo_train.py: model" not in open(proc.log).read():
-            assert proc.poll() is None and time.time() < deadline, open(proc.log).read()[-3000:]
-            time.sleep(0.2)
+        wait_until(proc, lambda: "grpo_train.py: model" in open(proc.log).read(), proc.log)
     else:
         wait_for_step(proc, tmp_path, 1)
     family = family_of(proc.pid)
@@ -286,10 +291,11 @@ def test_sigterm_to_the_deepspeed_launcher_stops_every_process(tmp_path, tiny_mo
 def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, how):
     """SIGTERM to run_demo's process group (with two reference servers of the demo's own, which end at it),
     Ctrl-C (SIGINT to that group), or the reference server (which rank 0 started) killed: the reference
-    servers, the launcher, the ranks and vLLM all end (the last within seconds, not after --ref-wait). run_demo passes a
-    Ctrl-C or a SIGTERM on to the launcher's group as a Ctrl-C, so the run stops as a launch by hand does:
-    the ranks finish the step, save it and print the line that continues the run; the only traceback is the
-    launcher's own KeyboardInterrupt. However it stops, no process is reported to have leaked a semaphore."""
+    servers, the launcher, the ranks and vLLM all end (the last within seconds, not after --ref-wait).
+    run_demo passes a Ctrl-C or a SIGTERM on to the launcher's group as a Ctrl-C, so the run stops as a launch
+    by hand does: the ranks finish the step, save it and print the line that continues the run; the only
+    traceback is the launcher's own KeyboardInterrupt. However it stops, no process is reported to have
+    leaked a semaphore."""
     # with SIGTERM, two reference servers of the demo's own: in its process group, they end at the signal too
     servers = ["--ref-servers", "2"] if how == "SIGTERM" else []
     log = open(tmp_path / "run.log", "w")
@@ -334,10 +340,7 @@ def test_ctrl_c_while_the_demo_builds_its_model_ends_it_without_a_traceback(tmp_
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     RUNS.append(proc)
-    deadline = time.time() + 120
-    while "warm-start step" not in log.read_text():
-        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
+    wait_until(proc, lambda: "warm-start step" in log.read_text(), log)
     family = family_of(proc.pid)
     assert any("demo.tiny_model" in command_of(p) for p in family)
     os.killpg(proc.pid, signal.SIGINT)
@@ -358,10 +361,8 @@ def test_sigterm_while_a_background_demo_starts_its_launcher_ends_it(tmp_path, d
                             stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     RUNS.append(proc)
-    deadline = time.time() + 120
-    while not any("deepspeed.launcher.launch" in command_of(p) for p in family_of(proc.pid)):
-        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-        time.sleep(0.1)
+    wait_until(proc, lambda: any("deepspeed.launcher.launch" in command_of(p) for p in family_of(proc.pid)),
+               log, every=0.1)
     family = family_of(proc.pid)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 143
