@@ -409,7 +409,11 @@ class MetricsLog:
         if self.tb:
             self.tb.close()
         if self.wandb:
+            # finish() returns before W&B's service has written the run's file (it is told, not waited
+            # for: wandb 0.31); teardown waits for it, so a closed log is a complete one
             self.wandb.finish()
+            import wandb as wandb_module
+            wandb_module.teardown()
         wall = time.time() - self.progress.started
         took = f"{int(wall // 60)} min {wall % 60:.0f} s" if wall >= 60 else f"{wall:.0f} s"
         accuracy = " -> ".join(f"{a:.3f} (step {s})" for s, a in self.evals[:1] + self.evals[1:][-1:])
