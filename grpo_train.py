@@ -290,8 +290,8 @@ def main(args):
         if step == last or refresh or (args.save_every and step % args.save_every == 0):
             save_checkpoint(engine, tok, args.out_dir, state, keep=args.keep_checkpoints,
                             new_reference=refresh)
-        if refresh and master_process:
-            gen.reload_reference(state["ref"], step)
+        if refresh and master_process and step < last:
+            stop.wait(gen.reload_reference, state["ref"], step)
     shut_down(gen if master_process else None, stop.requested)
     if master_process:
         log.close(state["step"], stop.ending(), gen.take_evals())
