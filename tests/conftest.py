@@ -47,6 +47,78 @@ def next_port():
     return next(_PORTS)
 
 
+# The slowest tests, slowest first (seconds of one test in a full `make test` on 2 cores). None uses a
+# module-scoped fixture: moved away from its module's other tests, it would start that fixture a second time.
+SLOWEST = [
+    "test_the_documented_lines_as_written_two_at_once_eval_only_and_ctrl_c",   # 173
+    "test_a_run_on_two_vllm_servers_learns_as_on_local_engines_and_ends_in_one_line_if_one_dies",   # 160
+    "test_resume_after_sigkill_continues_the_run_and_samples_from_the_checkpoint",   # 137
+    "test_update_does_not_depend_on_world_size_micro_batches_or_nodes",   # 133
+    "test_gpu_check_tiny_mode_runs_on_cpu",   # 127
+    "test_lora_resume_is_exact_and_keeps_the_adapters_and_their_optimizer_alone",   # 122
+    "test_short_run_on_two_ranks_two_engines_and_two_reference_servers",   # 115
+    "test_stopping_the_demo_stops_every_process_it_started[ref server dies]",   # 111
+    "test_lora_with_gspo_learns_pushes_merged_weights_and_evaluates",   # 100
+    "test_variants_ppo_epochs_tis_overlong_truncation_dynamic_sampling",   # 93
+    "test_reference_server_killed_and_restarted_mid_run",   # 91
+    "test_stopping_the_demo_stops_every_process_it_started[SIGTERM]",   # 84
+    "test_a_run_says_what_matters_and_its_out_dir_is_not_reused_by_mistake",   # 79
+    "test_killed_generation_process_stops_the_run_quickly_with_no_orphans",   # 76
+    "test_each_kind_of_mistake_ends_in_one_line_through_the_launcher",   # 69
+    "test_non_finite_gradients_are_skipped_then_the_run_stops",   # 67
+    "test_resume_restores_model_and_optimizer_exactly",   # 64
+    "test_sigterm_to_the_deepspeed_launcher_stops_every_process[its process group]",   # 62
+    "test_real_task_plumbing_end_to_end[code-code]",   # 60
+    "test_a_trainer_killed_before_its_first_push_leaves_no_engine",   # 51
+    "test_a_cpu_engine_runs_vllms_compiled_sampler_helpers_eagerly",   # 49
+    "test_real_task_plumbing_end_to_end[gsm8k-gsm8k,format:0.5]",   # 47
+    "test_sigterm_to_the_deepspeed_launcher_stops_every_process[the launcher]",   # 45
+    "test_the_trainer_says_what_it_waits_for_and_what_to_do",   # 43
+    "test_ctrl_c_while_the_demo_builds_its_model_ends_it_without_a_traceback",   # 42
+    "test_padding_bench_counts_less_padding_longest_first",   # 42
+    "test_peak_memory_stays_flat_as_the_request_grows",   # 41
+    "test_a_trainer_killed_mid_push_leaves_no_engine_behind",   # 39
+    "test_reload_serves_only_the_files_it_checked",   # 39
+    "test_a_short_run_pushes_every_step_into_the_installed_vllm_and_stops_cleanly",   # 38
+    "test_own_data_in_one_file_and_no_learning_signal_said_aloud",   # 36
+    "test_sigterm_to_the_deepspeed_launcher_stops_every_process[its process group at start-up]",   # 32
+    "test_reward_workers_run_jails_at_once_with_the_serial_scores",   # 31
+    "test_an_engine_slower_to_start_than_the_rendezvous_store_waits_still_joins",   # 25
+    "test_an_engine_killed_before_its_first_push_ends_the_run_in_one_line",   # 24
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slowest first on every worker. xdist (--dist worksteal) gives each of n workers a run of the collected
+    tests, n runs back to back, and a worker that runs out takes the back half of the longest queue left. So
+    the SLOWEST are dealt in turn to the front of the n runs, and the other tests follow in their own order
+    (a module's tests together, as its fixtures expect): what is left to take at the end is short tests, and
+    no worker runs a long one alone at the end. The demo model is built once, by the first worker to need
+    it (built_once), so every run but the first starts with a test that does not need it, not waiting."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    rank = {name: i for i, name in enumerate(SLOWEST)}
+    slow = sorted((item for item in items if item.name in rank), key=lambda item: rank[item.name])
+    if workers < 2 or not slow:
+        return
+    rest = [item for item in items if item.name not in rank]
+    # the lengths of the runs xdist deals out: the tests left, split evenly over the workers left
+    lengths, left = [], len(items)
+    for i in range(workers):
+        lengths.append(left // (workers - i))
+        left -= lengths[-1]
+    runs = [slow[i::workers] for i in range(workers)]
+    for run in runs[1:]:
+        first = next((item for item in run if "demo_model" not in item.fixturenames), None)
+        if first is not None:
+            run.remove(first)
+            run.insert(0, first)
+    for run, length in zip(runs, lengths):
+        take = max(0, length - len(run))
+        run += rest[:take]
+        rest = rest[take:]
+    items[:] = [item for run in runs for item in run] + rest
+
+
 def running(process):
     """Whether a psutil.Process still runs: not ended, and not a zombie waiting for its parent to reap it."""
     try:
