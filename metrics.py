@@ -409,11 +409,7 @@ class MetricsLog:
         if self.tb:
             self.tb.close()
         if self.wandb:
-            # finish() returns before W&B's service has written the run's file (it is told, not waited
-            # for: wandb 0.31); teardown waits for it, so a closed log is a complete one
             self.wandb.finish()
-            import wandb as wandb_module
-            wandb_module.teardown()
         wall = time.time() - self.progress.started
         took = f"{int(wall // 60)} min {wall % 60:.0f} s" if wall >= 60 else f"{wall:.0f} s"
         accuracy = " -> ".join(f"{a:.3f} (step {s})" for s, a in self.evals[:1] + self.evals[1:][-1:])
@@ -424,6 +420,12 @@ class MetricsLog:
         end = f"stopped after step {step} of {self.steps} ({how})" if stopped else "done"
         self.progress.say(f"{end}: {accuracy}; {ran} in {took}; last checkpoint {checkpoint}"
                           + (f"; to continue:\n{resume}" if stopped else ""))
+        if self.wandb:
+            # finish() returns before W&B's service has written the run's file (it is told, not waited
+            # for: wandb 0.31); teardown waits for it, so a closed log is a complete one (and where the
+            # service failed, its exit with the service's code comes after the closing line, as at exit)
+            import wandb as wandb_module
+            wandb_module.teardown()
 
     def write_eval(self, n, evals):
         """--eval-only: the result, as one JSON line on stdout and in eval.json (with the held-out outputs

@@ -47,8 +47,9 @@ def next_port():
     return next(_PORTS)
 
 
-# The slowest tests, slowest first (seconds of one test in a full `make test` on 2 cores). None uses a
-# module-scoped fixture: moved away from its module's other tests, it would start that fixture a second time.
+# The slowest tests, slowest first (seconds of one test in a full `make test` on 2 cores). None shares a
+# module-scoped fixture with a test left behind (test_remote_engines' `servers` serves its one test alone):
+# moved away from it, it would start that fixture a second time.
 SLOWEST = [
     "test_the_documented_lines_as_written_two_at_once_eval_only_and_ctrl_c",   # 173
     "test_a_run_on_two_vllm_servers_learns_as_on_local_engines_and_ends_in_one_line_if_one_dies",   # 160
@@ -88,6 +89,7 @@ SLOWEST = [
 ]
 
 
+@pytest.hookimpl(trylast=True)   # after -k's deselection: the runs are of the tests that run
 def pytest_collection_modifyitems(config, items):
     """Slowest first on every worker. xdist (--dist worksteal) gives each of n workers a run of the collected
     tests, n runs back to back, and a worker that runs out takes the back half of the longest queue left. So
@@ -98,7 +100,7 @@ def pytest_collection_modifyitems(config, items):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     rank = {name: i for i, name in enumerate(SLOWEST)}
     slow = sorted((item for item in items if item.name in rank), key=lambda item: rank[item.name])
-    if workers < 2 or not slow:
+    if workers < 2 or config.getoption("dist", "no") != "worksteal" or not slow:
         return
     rest = [item for item in items if item.name not in rank]
     # the lengths of the runs xdist deals out: the tests left, split evenly over the workers left

@@ -125,14 +125,15 @@ class RankZeroAlone(GenerationProcess):
 
     def run(self, steps, sync_every=1):
         """grpo_train.main's calls: the first push, then per step: take a batch, push (every sync_every steps
-        and at the last), and with --ref-sync-every the reference reload -> the log."""
+        and at the last), and with --ref-sync-every the reference reload (not after the last step) -> the
+        log."""
         for step in range(steps + 1):
             if step:
                 batch = self.next_batch(step - 1)
                 self.lags.append(self.version - batch["version"])
             if step % sync_every == 0 or step == steps:
                 self._push(step)
-            if self.ref_sync_every and step and step % self.ref_sync_every == 0:
+            if self.ref_sync_every and 0 < step < steps and step % self.ref_sync_every == 0:
                 self.reload_reference("ckpt", step)
         return " ".join(self.log)
 
@@ -162,7 +163,7 @@ def test_a_push_asks_at_once_for_the_batches_it_allows():
         assert gen.run(4) == "P0 B0 B0 T0 P1 B1 T0 P2 B2 T1 P3 T2 P4"
         assert gen.lags == [0, 1, 1, 1] and gen.asked == gen.taken == gen.total == 4
         gen = RankZeroAlone(ahead=1, steps=4, ref_sync_every=2, in_flight=in_flight)
-        assert gen.run(4) == "P0 B0 B0 T0 P1 B1 T0 P2 R2 B2 T1 P3 T2 P4 R4"
+        assert gen.run(4) == "P0 B0 B0 T0 P1 B1 T0 P2 R2 B2 T1 P3 T2 P4"
         # on-policy: one batch after each push, of its weights
         gen = RankZeroAlone(ahead=0, steps=3, in_flight=in_flight)
         assert gen.run(3) == "P0 B0 T0 P1 B1 T1 P2 B2 T2 P3" and gen.lags == [0, 0, 0]
