@@ -96,11 +96,12 @@ def pytest_collection_modifyitems(config, items):
     the SLOWEST are dealt in turn to the front of the n runs, and the other tests follow in their own order
     (a module's tests together, as its fixtures expect): what is left to take at the end is short tests, and
     no worker runs a long one alone at the end. The demo model is built once, by the first worker to need
-    it (built_once), so every run but the first starts with a test that does not need it, not waiting."""
+    it (built_once), so every run but the first starts with a test that does not need it, not waiting.
+    (A worker sees --dist as "no": only the worker count says it is one of several.)"""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     rank = {name: i for i, name in enumerate(SLOWEST)}
     slow = sorted((item for item in items if item.name in rank), key=lambda item: rank[item.name])
-    if workers < 2 or config.getoption("dist", "no") != "worksteal" or not slow:
+    if workers < 2 or not slow:
         return
     rest = [item for item in items if item.name not in rank]
     # the lengths of the runs xdist deals out: the tests left, split evenly over the workers left
