@@ -44,8 +44,7 @@ demo: $(VENV)/.installed
 # Three tests at a time (pytest-xdist), each worker taking the next test as it frees up. A test launches
 # processes that mostly wait on each other (launcher, trainer, vLLM, reference server), or sleeps until a
 # deadline it tests: one test at a time kept one of 2 cores busy; three keep both busy (/proc/stat read idle
-# 0.00 through a fresh clone's suite), so a fourth only adds memory and slows each test. The slowest tests
-# start first on each worker (tests/conftest.py, SLOWEST), so no long one is left running alone at the end.
+# 0.00 through a fresh clone's suite), so a fourth only adds memory and slows each test.
 # The environment of vLLM 0.26 (test-vllm026) installs beside the first one, at the lowest CPU priority: pip
 # keeps one core busy, so each takes one, and it is mostly done before the tests start (installed during them,
 # it took CPU from them). Its tests run last. If the first install fails, the second is left to finish.
