@@ -149,20 +149,16 @@ def rows_of(out_dir):
         return [json.loads(line) for line in f if line.endswith("\n")]
 
 
-def wait_for_step(proc, out_dir, step, timeout=300):
-    deadline = time.time() + timeout
-    while not any(r["step"] >= step for r in rows_of(out_dir)):
-        assert proc.poll() is None, open(proc.log).read()[-3000:]
-        assert time.time() < deadline, f"step {step} never logged"
-        time.sleep(0.5)
-
-
 def wait_until(proc, ready, log, timeout=120, every=0.2):
     """Poll ready() until it holds, proc alive meanwhile (else the end of its log says why)."""
     deadline = time.time() + timeout
     while not ready():
         assert proc.poll() is None and time.time() < deadline, open(log).read()[-3000:]
         time.sleep(every)
+
+
+def wait_for_step(proc, out_dir, step, timeout=300):
+    wait_until(proc, lambda: any(r["step"] >= step for r in rows_of(out_dir)), proc.log, timeout, every=0.5)
 
 
 def start_ref_server(model, port, log_path):
@@ -264,8 +260,8 @@ def test_sigterm_to_the_deepspeed_launcher_stops_every_process(tmp_path, tiny_mo
     ends too, reloads a checkpoint after every step (--ref-sync-every 1): the stop meets a reload, which is
     the stop, not an error. Before the loop (while vLLM starts): the rank exits once, and its exit handlers
     run to the end. No process aborts, no traceback."""
-    reloads = ["--beta", "0.04", "--ref-sync-every", "1"] if to == "its process group" else ["--beta", "0"]
-    proc = launch(tmp_path, tiny_model, *reloads, "--steps", "100000")
+    reference = ["--beta", "0.04", "--ref-sync-every", "1"] if to == "its process group" else ["--beta", "0"]
+    proc = launch(tmp_path, tiny_model, *reference, "--steps", "100000")
     if to.endswith("start-up"):
         wait_until(proc, lambda: "grpo_train.py: model" in open(proc.log).read(), proc.log)
     else:
