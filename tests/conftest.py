@@ -47,6 +47,17 @@ def next_port():
     return next(_PORTS)
 
 
+def rank_zero(*args, port):
+    """-> (command, environment) of grpo_train.py with `args` started as rank 0 of a one-rank launch, with
+    what deepspeed's launcher would give it (its launch.py: the rank's numbers and the rendezvous address),
+    but without the launcher's two processes, which cost ~8 s of CPU a launch. For the tests whose subject
+    is not the launcher: those of the launcher's signals, its exit report, its --log_level, several ranks
+    or nodes, and the documented lines go through it."""
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    return [sys.executable, "-u", "grpo_train.py", *args], env
+
+
 def running(process):
     """Whether a psutil.Process still runs: not ended, and not a zombie waiting for its parent to reap it."""
     try:

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
 import os, sys
-model, out, phase, port, lora_rank = sys.argv[1:]
+base, out, phases, port, lora_rank = sys.argv[1:]
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 import deepspeed, torch
 from safetensors.torch import save_file
@@ -26,61 +26,65 @@ from run_setup import build_engine, load_policy, skip_shm_allreduce_op
 
 skip_shm_allreduce_op()
 deepspeed.init_distributed()
-model, tok = load_policy(model, grad_ckpt=False, lora_rank=int(lora_rank))
-engine = build_engine(model, "ds_config.json", lr=1e-2, micro_batch=4)
 
-def train_step(seed):   # any loss will do: the optimizer's state is what is tested
+def train_step(engine, seed):   # any loss will do: the optimizer's state is what is tested
     ids = torch.randint(10, 60, (4, 12), generator=torch.Generator().manual_seed(seed))
     engine.backward(engine.module(input_ids=ids, labels=ids).loss)
     engine.step()
 
-if phase == "first":
-    train_step(0)
-    train_step(1)
-    save_checkpoint(engine, tok, out, {"step": 2, "data_pos": 7, "ref": None}, keep=0)
-    os.makedirs(os.path.join(out, "step_3.tmp"))   # what a save killed halfway leaves
-    open(os.path.join(out, "step_3.tmp", "junk"), "w").write("x")
-elif phase == "resumed":
-    # before the engine loads it, as grpo_train.main does (with the flags that bound its data position)
-    state = read_state(True, out_dir=out, resume=True, prompts_per_step=4, max_gen_rounds=1)
-    load_checkpoint(engine, out, state["step"])
-    assert (state["step"], state["data_pos"], state["counts"]["stale_dropped"]) == (2, 7, 0), state
-elif phase == "weights-only" and int(lora_rank):   # step 2's adapters, without their optimizer state
-    engine.load_checkpoint(out, tag="step_2", load_module_strict=False, load_optimizer_states=False)
-if phase == "first":   # Adam's moments: as many numbers as the weights that train; the policy's logits
-    moments = sum(s["exp_avg"].numel() for s in engine.optimizer.optimizer.state.values())
-    print("moments", moments, sum(p.numel() for p in model.parameters() if p.requires_grad),
-          sum(p.numel() for p in model.parameters()))
-    with torch.no_grad():
-        logits = engine.module(input_ids=torch.arange(10, 30)[None]).logits
-    save_file({"logits": logits}, os.path.join(out, "logits.safetensors"))
-# phase "weights-only": started from the HF model inside the checkpoint, with a fresh optimizer
-train_step(2)
-if phase == "resumed":
-    save_checkpoint(engine, tok, out, {"step": 3, "ref": None}, keep=0)
-save_file({k: v.clone() for k, v in engine.module.state_dict().items()}, os.path.join(out, phase + ".safetensors"))
+for phase in phases.split(","):
+    # "weights-only": step 2's weights with a fresh optimizer: the HF model inside the checkpoint, or with
+    # LoRA the base model and step 2's adapters, without their optimizer state
+    start = os.path.join(out, "step_2") if phase == "weights-only" and not int(lora_rank) else base
+    model, tok = load_policy(start, grad_ckpt=False, lora_rank=int(lora_rank))
+    engine = build_engine(model, "ds_config.json", lr=1e-2, micro_batch=4)
+    if phase == "first":
+        train_step(engine, 0)
+        train_step(engine, 1)
+        save_checkpoint(engine, tok, out, {"step": 2, "data_pos": 7, "ref": None}, keep=0)
+        os.makedirs(os.path.join(out, "step_3.tmp"))   # what a save killed halfway leaves
+        open(os.path.join(out, "step_3.tmp", "junk"), "w").write("x")
+        # Adam's moments: as many numbers as the weights that train; the policy's logits
+        moments = sum(s["exp_avg"].numel() for s in engine.optimizer.optimizer.state.values())
+        print("moments", moments, sum(p.numel() for p in model.parameters() if p.requires_grad),
+              sum(p.numel() for p in model.parameters()))
+        with torch.no_grad():
+            logits = engine.module(input_ids=torch.arange(10, 30)[None]).logits
+        save_file({"logits": logits}, os.path.join(out, "logits.safetensors"))
+    elif phase == "resumed":
+        # before the engine loads it, as grpo_train.main does (with the flags that bound its data position)
+        state = read_state(True, out_dir=out, resume=True, prompts_per_step=4, max_gen_rounds=1)
+        load_checkpoint(engine, out, state["step"])
+        assert (state["step"], state["data_pos"], state["counts"]["stale_dropped"]) == (2, 7, 0), state
+    elif int(lora_rank):
+        engine.load_checkpoint(out, tag="step_2", load_module_strict=False, load_optimizer_states=False)
+    train_step(engine, 2)
+    if phase == "resumed":
+        save_checkpoint(engine, tok, out, {"step": 3, "ref": None}, keep=0)
+    save_file({k: v.clone() for k, v in engine.module.state_dict().items()}, os.path.join(out, phase + ".safetensors"))
 """
 
 
-def run(phase, model, out, lora_rank=0):
+def run(phases, model, out, lora_rank=0):
+    """The phases, one after the other in one process: "first" (two steps, saved), or "resumed" (from that
+    checkpoint) then "weights-only" -> ({phase: the weights after the third step}, its output)."""
     env = {**os.environ, "PYTHONPATH": ROOT}
-    p = subprocess.run([sys.executable, "-c", SCRIPT, model, str(out), phase, str(next_port()), str(lora_rank)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-c", SCRIPT, model, str(out), ",".join(phases), str(next_port()),
+                        str(lora_rank)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    return load_file(os.path.join(out, phase + ".safetensors")), p.stdout
+    return {phase: load_file(os.path.join(out, phase + ".safetensors")) for phase in phases}, p.stdout
 
 
 def test_resume_restores_model_and_optimizer_exactly(tmp_path, tiny_model):
-    first, _ = run("first", tiny_model, tmp_path)
+    first = run(["first"], tiny_model, tmp_path)[0]["first"]
     assert (tmp_path / "latest").read_text() == "step_2"   # not the half-written step_3.tmp
     assert (tmp_path / "step_2" / "model.safetensors").exists() and (tmp_path / "step_2" / "tokenizer.json").exists()
-    resumed, out = run("resumed", tiny_model, tmp_path)
+    third, out = run(["resumed", "weights-only"], tiny_model, tmp_path)
     assert "resuming after step 2" in out
     for k in first:
-        torch.testing.assert_close(resumed[k], first[k], rtol=0, atol=0)   # the same third step, bit for bit
+        torch.testing.assert_close(third["resumed"][k], first[k], rtol=0, atol=0)   # the same third step, bit for bit
     # the same weights with a fresh Adam take another step: the test would see a lost optimizer state
-    fresh, _ = run("weights-only", str(tmp_path / "step_2"), tmp_path)
-    assert max((fresh[k] - first[k]).abs().max().item() for k in first) > 1e-4
+    assert max((third["weights-only"][k] - first[k]).abs().max().item() for k in first) > 1e-4
     assert (tmp_path / "latest").read_text() == "step_3" and not (tmp_path / "step_3.tmp").exists()
 
 
@@ -92,7 +96,8 @@ def test_lora_resume_is_exact_and_keeps_the_adapters_and_their_optimizer_alone(t
     do not."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    first, out = run("first", tiny_model, tmp_path, lora_rank=4)
+    weights, out = run(["first"], tiny_model, tmp_path, lora_rank=4)
+    first = weights["first"]
     moments, trainable, total = (int(w) for w in re.search(r"^moments (\d+) (\d+) (\d+)$", out, re.M).groups())
     assert moments == trainable and 0 < trainable < total / 10, out
     ckpt = tmp_path / "step_2"
@@ -100,12 +105,11 @@ def test_lora_resume_is_exact_and_keeps_the_adapters_and_their_optimizer_alone(t
     # DeepSpeed's files: the adapters and 3 fp32 copies of them (master, 2 moments), not the base model
     ds_bytes = sum(f.stat().st_size for f in ckpt.glob("*.pt"))
     assert ds_bytes < 4 * 4 * trainable + 2**20 < 4 * total, ds_bytes
-    resumed, out = run("resumed", tiny_model, tmp_path, lora_rank=4)
+    third, out = run(["resumed", "weights-only"], tiny_model, tmp_path, lora_rank=4)
     assert "resuming after step 2" in out
     for k in first:
-        torch.testing.assert_close(resumed[k], first[k], rtol=0, atol=0)
-    fresh, _ = run("weights-only", tiny_model, tmp_path, lora_rank=4)
-    assert max((fresh[k] - first[k]).abs().max().item() for k in first) > 1e-4
+        torch.testing.assert_close(third["resumed"][k], first[k], rtol=0, atol=0)
+    assert max((third["weights-only"][k] - first[k]).abs().max().item() for k in first) > 1e-4
     # the saved adapters on the base model (peft's own loader) are the policy after step 2, not the base model
     policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(ckpt / "adapter"))
     base = AutoModelForCausalLM.from_pretrained(tiny_model)

@@ -1,4 +1,6 @@
-"""Faults during a run, through the real deepspeed launcher: each is noticed, named, and ends the run cleanly."""
+"""Faults during a run: each is noticed, named, and ends the run cleanly. Through the real deepspeed launcher
+where it takes part (its signals, its exit report, what it leaves running), else rank 0 alone, as the launcher
+starts it (conftest.rank_zero)."""
 import contextlib
 import datetime
 import errno
@@ -14,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import next_port, no_allreduce_buffer_left, running
+from conftest import next_port, no_allreduce_buffer_left, rank_zero, running
 from test_metrics import WARNING
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,12 +43,16 @@ def kill_leftover_runs():
             proc.wait()
 
 
-def launch(out_dir, model, *flags, port=None):
-    cmd = [DEEPSPEED, "--num_gpus", "1", "--master_port", str(port or next_port()), "grpo_train.py", "--model",
-           model, "--out-dir", str(out_dir), "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "8",
-           "--max-prompt-len", "16", "--eval-size", "8", *flags]
+def launch(out_dir, model, *flags, port=None, launcher=False):
+    """A small run in a process group of its own: through deepspeed's launcher, or (where the launcher is not
+    what the test is about) rank 0 alone, as the launcher would start it (conftest.rank_zero)."""
+    port = port or next_port()
+    args = ["--model", model, "--out-dir", str(out_dir), "--prompts-per-step", "4", "--group-size", "4",
+            "--max-new-tokens", "8", "--max-prompt-len", "16", "--eval-size", "8", *flags]
+    cmd, env = ([DEEPSPEED, "--num_gpus", "1", "--master_port", str(port), "grpo_train.py", *args], None) \
+        if launcher else rank_zero(*args, port=port)
     log = open(os.path.join(out_dir, "run.log"), "w")   # a file, not a pipe: a full pipe would stall the run
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     proc.log = log.name
     RUNS.append(proc)
     return proc
@@ -67,7 +73,7 @@ def command_of(p):
 
 
 def engine_of(launcher):
-    """The vLLM generation process under the launcher (a spawned grandchild of rank 0), or None."""
+    """The vLLM generation process under the launcher or rank 0 (a process rank 0 spawned), or None."""
     commands = ((p, command_of(p)) for p in launcher.children(recursive=True))
     return next((p for p, cmd in commands if "spawn_main" in cmd and "resource_tracker" not in cmd), None)
 
@@ -90,7 +96,7 @@ def test_killed_generation_process_stops_the_run_quickly_with_no_orphans(tmp_pat
     listened on every interface); and its rank 0 holds --out-dir, so that a second run there, through a
     symlink, stops in one line naming it."""
     port = next_port()
-    proc = launch(tmp_path, tiny_model, "--beta", "0", "--steps", "100000", "--lr", "1e-6", port=port)
+    proc = launch(tmp_path, tiny_model, "--beta", "0", "--steps", "100000", "--lr", "1e-6", port=port, launcher=True)
     launcher = psutil.Process(proc.pid)
     deadline, gen = time.time() + 240, None
     while time.time() < deadline and gen is None:   # the vLLM child: a spawned grandchild of a rank
@@ -261,7 +267,7 @@ def test_sigterm_to_the_deepspeed_launcher_stops_every_process(tmp_path, tiny_mo
     the stop, not an error. Before the loop (while vLLM starts): the rank exits once, and its exit handlers
     run to the end. No process aborts, no traceback."""
     reference = ["--beta", "0.04", "--ref-sync-every", "1"] if to == "its process group" else ["--beta", "0"]
-    proc = launch(tmp_path, tiny_model, *reference, "--steps", "100000")
+    proc = launch(tmp_path, tiny_model, *reference, "--steps", "100000", launcher=True)
     if to.endswith("start-up"):
         wait_until(proc, lambda: "grpo_train.py: model" in open(proc.log).read(), proc.log)
     else:
@@ -425,6 +431,10 @@ def test_check_config_names_every_bad_flag(capsys):
     with pytest.raises(SystemExit):
         check_config(4, **vars(get_args(["--model", "m/m", "--prompts-per-step", "1", "--group-size", "2"])))
     assert "must be >= the number of training ranks" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        check_config(1, **vars(get_args(["--model", "m/m", "--ref-url", "127.0.0.1:59875"])))
+    assert capsys.readouterr().err == ("grpo_train.py: --ref-url 127.0.0.1:59875: a server's URL starts with "
+                                       "http:// (e.g. http://127.0.0.1:59875)\n")
 
 
 def test_long_prompts_are_skipped_and_a_task_with_none_left_is_refused(capsys):
@@ -473,22 +483,26 @@ def said(out):
 
 
 def test_each_kind_of_mistake_ends_in_one_line_through_the_launcher(tmp_path, tiny_model):
-    """A mistake of each phase of the start-up: a bad flag value (argparse), a flag check (check_config) and a
-    malformed data record (load_prompts; tests/test_tasks.py has the message of each kind of data mistake)
-    each end the run with one line naming the flag, file, line and column, and a non-zero exit status; no
-    rank prints a traceback, and the launcher adds only its report of the exit (before: ~30 lines, a
-    traceback per rank). The flag check runs at world size 2, where both ranks find it and one says it.
-    Launched side by side."""
+    """A mistake of each phase of the start-up: a flag check (check_config), an --out-dir that holds another
+    run (read_state; tests/test_checkpoint.py has --resume and --overwrite) and a malformed data record
+    (load_prompts; tests/test_tasks.py has the message of each kind of data mistake) each end the run with
+    one line naming the flag, folder, file, line and column, and a non-zero exit status; no rank prints a
+    traceback, and the launcher adds only its report of the exit (before: ~30 lines, a traceback per rank).
+    The flag check runs at world size 2, where both ranks find it and one says it. Launched side by side.
+    (A bad flag value, argparse's, is one line without the launcher: the next test.)"""
     (tmp_path / "broken.jsonl").write_text(json.dumps({"prompt": "q", "answer": "a"}) + '\n{"prompt": "q",\n')
     cases = {"record": (["--task", "custom", "--beta", "0", "--data", str(tmp_path / "broken.jsonl")], 1,
                         r".*broken.jsonl:2: not a JSON line \(Expecting property name enclosed in double quotes, "
                         r"column 16\)"),
              "flag": (["--beta", "0", "--eval-size", "0"], 2, r".*--eval-size must be >= 1"),
-             "choice": (["--chat-template", "chatml"], 1,
-                        r"argument --chat-template: invalid choice: 'chatml' .*\(--help lists the flags\)")}
+             "out-dir": (["--beta", "0"], 1, rf"--out-dir {re.escape(str(tmp_path))}/out-dir holds another run "
+                         r"\(its checkpoint step_3\): --resume continues it, --overwrite replaces it, or pass "
+                         r"another --out-dir")}
     runs = {}
     for name, (flags, world, _) in cases.items():
         os.makedirs(tmp_path / name)
+        if name == "out-dir":   # what a run that saved step 3 leaves
+            (tmp_path / name / "latest").write_text("step_3")
         cmd = [DEEPSPEED, "--num_gpus", str(world), "--master_port", str(next_port()), "grpo_train.py",
                "--model", tiny_model, "--out-dir", str(tmp_path / name), "--max-prompt-len", "64", *flags]
         log = open(tmp_path / name / "run.log", "w")
