@@ -29,13 +29,27 @@ REQUIRED = ["step", "reward/mean", "reward/demo", "reward/overlong", "reward/err
             "sampling/logp_diff_mean", "sampling/logp_diff_max", "entropy"]
 
 
-def run_demo(out_dir, *args, timeout=600):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run([sys.executable, "-m", "demo.run_demo", "--out-dir", str(out_dir), *args], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=timeout)
+def finished(p, out_dir):
+    """-> (the finished process p, the metrics rows of its run in out_dir); it must have succeeded."""
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return p, [json.loads(line) for line in f]
+
+
+def run_demo(out_dir, *args, timeout=600):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return finished(subprocess.run([sys.executable, "-m", "demo.run_demo", "--out-dir", str(out_dir), *args],
+                                   cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout), out_dir)
+
+
+def with_demo_settings(out_dir, model, *flags, timeout=600):
+    """grpo_train.py with the demo's settings (demo.run_demo.TRAIN_FLAGS, seed 0) and then `flags`, as rank
+    0 alone (conftest.rank_zero), which starts the reference server -> (process, metrics rows)."""
+    from demo.run_demo import TRAIN_FLAGS
+    cmd, env = rank_zero("--model", model, "--out-dir", str(out_dir), "--seed", "0", *TRAIN_FLAGS, *flags,
+                         port=next_port())
+    return finished(subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout),
+                    out_dir)
 
 
 def test_short_run_on_two_ranks_two_engines_and_two_reference_servers(tmp_path, demo_model):
@@ -193,12 +207,12 @@ def test_variants_ppo_epochs_tis_overlong_truncation_dynamic_sampling(tmp_path, 
     completion (2 - n) / 3. --max-gen-rounds 4:
     rounds of 16 prompts until 16 groups have unequal rewards, with Dr. GRPO scaling and a std floor, on two
     engines (--gen-devices 0,1): each takes 8 prompts of every block of 16 it draws and fills its 8 groups."""
-    _, rows = run_demo(tmp_path, "--model", demo_model, "--steps", "6", "--eval-every", "0", "--",
-                       "--num-iterations", "2", "--eps-low", "0.01", "--eps-high", "0.01", "--is-mode",
-                       "token-truncate", "--is-max", "2", "--overlong-buffer", "3", "--max-new-tokens", "5",
-                       "--mask-truncated", "--lr", "1e-3",
-                       "--max-gen-rounds", "4", "--scale-rewards", "none", "--std-floor", "0.3",
-                       "--gen-devices", "0,1")
+    _, rows = with_demo_settings(tmp_path, demo_model, "--steps", "6", "--eval-every", "0",
+                                 "--num-iterations", "2", "--eps-low", "0.01", "--eps-high", "0.01", "--is-mode",
+                                 "token-truncate", "--is-max", "2", "--overlong-buffer", "3",
+                                 "--max-new-tokens", "5", "--mask-truncated", "--lr", "1e-3",
+                                 "--max-gen-rounds", "4", "--scale-rewards", "none", "--std-floor", "0.3",
+                                 "--gen-devices", "0,1")
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert sum(r["clip/low"] + r["clip/high"] for r in rows) > 0   # the second epoch clipped something
     # policy_lag counts optimizer steps: a batch sampled one push before is 2 of them behind
@@ -268,7 +282,7 @@ def test_lora_with_gspo_learns_pushes_merged_weights_and_evaluates(tmp_path, dem
     from transformers import AutoModelForCausalLM
     lora = ["--lora-rank", "16", "--lr", "3e-3", "--ratio-level", "sequence", "--eps-low", "3e-4",
             "--eps-high", "4e-4", "--max-staleness", "0", "--num-iterations", "2", "--ref-sync-every", "5"]
-    p, rows = run_demo(tmp_path, "--model", demo_model, "--steps", "10", "--eval-every", "10", "--", *lora)
+    p, rows = with_demo_settings(tmp_path, demo_model, "--steps", "10", "--eval-every", "10", *lora)
     assert "trainable parameters: 94,208 of 633,728 (14.87%)" in p.stdout
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     assert evals[-1] >= evals[0] + 0.30, evals
