@@ -48,14 +48,14 @@ def next_port():
 
 
 def rank_zero(*args, port):
-    """-> (command, environment) of grpo_train.py with `args` started as rank 0 of a one-rank launch, with
-    what deepspeed's launcher would give it (its launch.py: the rank's numbers and the rendezvous address),
-    but without the launcher's two processes, which cost ~8 s of CPU a launch. For the tests whose subject
-    is not the launcher: those of the launcher's signals, its exit report, its --log_level, several ranks
-    or nodes, and the documented lines go through it."""
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}
-    return [sys.executable, "-u", "grpo_train.py", *args], env
+    """-> (command, environment) of grpo_train.py with `args` started as rank 0 of a one-rank launch on this
+    machine, as deepspeed's launcher starts it (its launch.py: the same command and variables, the device
+    it names included), but without the launcher's two processes, which cost ~8 s of CPU a launch. For the
+    tests whose subject is not the launcher: those of the launcher's signals, its exit report, its
+    --log_level, several ranks or nodes, and the documented lines go through it."""
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "CROSS_RANK": "0",
+           "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": "0"}
+    return [sys.executable, "-u", "grpo_train.py", "--local_rank=0", *args], env
 
 
 def running(process):

@@ -42,14 +42,13 @@ def run_demo(out_dir, *args, timeout=600):
                                    cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout), out_dir)
 
 
-def with_demo_settings(out_dir, model, *flags, timeout=600):
+def with_demo_settings(out_dir, model, *flags):
     """grpo_train.py with the demo's settings (demo.run_demo.TRAIN_FLAGS, seed 0) and then `flags`, as rank
     0 alone (conftest.rank_zero), which starts the reference server -> (process, metrics rows)."""
     from demo.run_demo import TRAIN_FLAGS
     cmd, env = rank_zero("--model", model, "--out-dir", str(out_dir), "--seed", "0", *TRAIN_FLAGS, *flags,
                          port=next_port())
-    return finished(subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout),
-                    out_dir)
+    return finished(subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600), out_dir)
 
 
 def test_short_run_on_two_ranks_two_engines_and_two_reference_servers(tmp_path, demo_model):
@@ -110,8 +109,8 @@ DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 
 
 def one_step_flags(out_dir, model, micro_batch):
-    """One GRPO step with --beta 0 (no reference server needed)."""
-    return ["grpo_train.py", "--model", model, "--out-dir", str(out_dir), "--steps", "1", "--beta", "0",
+    """grpo_train.py's flags for one GRPO step with --beta 0 (no reference server needed)."""
+    return ["--model", model, "--out-dir", str(out_dir), "--steps", "1", "--beta", "0",
             "--lr", "1e-3", "--prompts-per-step", "8", "--group-size", "4", "--max-new-tokens", "12",
             "--max-prompt-len", "16", "--micro-batch", str(micro_batch), "--eval-size", "20"]
 
@@ -127,7 +126,7 @@ def step_result(out_dir):
 def train_one_step(out_dir, model, micro_batch, *extra):
     """One step as one rank (rank 0 as the launcher starts it) -> (metrics row, new weights)."""
     port = next_port()
-    cmd, env = rank_zero(*one_step_flags(out_dir, model, micro_batch)[1:], *extra, port=port)
+    cmd, env = rank_zero(*one_step_flags(out_dir, model, micro_batch), *extra, port=port)
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     assert no_allreduce_buffer_left(port)
@@ -150,8 +149,8 @@ def test_update_does_not_depend_on_world_size_micro_batches_or_nodes(tmp_path, d
     port = next_port()
     nodes = [subprocess.Popen([DEEPSPEED, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(rank),
                                "--master_addr", "127.0.0.1", "--master_port", str(port),
-                               *one_step_flags(tmp_path / "nodes", demo_model, 3), "--grad-ckpt"], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               "grpo_train.py", *one_step_flags(tmp_path / "nodes", demo_model, 3), "--grad-ckpt"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for rank in (0, 1)]
     try:
         logs = [p.communicate(timeout=600)[0] for p in nodes]
@@ -342,7 +341,7 @@ def test_a_run_says_what_matters(tmp_path, demo_model):
                               stderr=subprocess.DEVNULL)
     out = tmp_path / "run"
     cmd = [DEEPSPEED, "--log_level", "critical", "--num_gpus", "1", "--master_port", str(next_port()),
-           *one_step_flags(out, demo_model, 64), "--steps", "2", "--log-completions", "3",
+           "grpo_train.py", *one_step_flags(out, demo_model, 64), "--steps", "2", "--log-completions", "3",
            "--beta", "0.04", "--ref-url", url, "--wandb"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline"}
     try:

@@ -49,8 +49,10 @@ def launch(out_dir, model, *flags, port=None, launcher=False):
     port = port or next_port()
     args = ["--model", model, "--out-dir", str(out_dir), "--prompts-per-step", "4", "--group-size", "4",
             "--max-new-tokens", "8", "--max-prompt-len", "16", "--eval-size", "8", *flags]
-    cmd, env = ([DEEPSPEED, "--num_gpus", "1", "--master_port", str(port), "grpo_train.py", *args], None) \
-        if launcher else rank_zero(*args, port=port)
+    if launcher:
+        cmd, env = [DEEPSPEED, "--num_gpus", "1", "--master_port", str(port), "grpo_train.py", *args], None
+    else:
+        cmd, env = rank_zero(*args, port=port)
     log = open(os.path.join(out_dir, "run.log"), "w")   # a file, not a pipe: a full pipe would stall the run
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     proc.log = log.name
@@ -72,9 +74,9 @@ def command_of(p):
         return ""
 
 
-def engine_of(launcher):
-    """The vLLM generation process under the launcher or rank 0 (a process rank 0 spawned), or None."""
-    commands = ((p, command_of(p)) for p in launcher.children(recursive=True))
+def engine_of(top):
+    """The vLLM generation process under `top`, the launcher or rank 0 (a process rank 0 spawned), or None."""
+    commands = ((p, command_of(p)) for p in top.children(recursive=True))
     return next((p for p, cmd in commands if "spawn_main" in cmd and "resource_tracker" not in cmd), None)
 
 
@@ -487,9 +489,10 @@ def test_each_kind_of_mistake_ends_in_one_line_through_the_launcher(tmp_path, ti
     run (read_state; tests/test_checkpoint.py has --resume and --overwrite) and a malformed data record
     (load_prompts; tests/test_tasks.py has the message of each kind of data mistake) each end the run with
     one line naming the flag, folder, file, line and column, and a non-zero exit status; no rank prints a
-    traceback, and the launcher adds only its report of the exit (before: ~30 lines, a traceback per rank).
-    The flag check runs at world size 2, where both ranks find it and one says it. Launched side by side.
-    (A bad flag value, argparse's, is one line without the launcher: the next test.)"""
+    traceback, and the launcher adds only its report of the exit (before: ~30 lines, a traceback per rank),
+    and not even that at --log_level critical, as README.md launches (the out-dir case, which leaves the
+    folder as it was). The flag check runs at world size 2, where both ranks find it and one says it.
+    Launched side by side. (A bad flag value, argparse's, is one line without the launcher: the next test.)"""
     (tmp_path / "broken.jsonl").write_text(json.dumps({"prompt": "q", "answer": "a"}) + '\n{"prompt": "q",\n')
     cases = {"record": (["--task", "custom", "--beta", "0", "--data", str(tmp_path / "broken.jsonl")], 1,
                         r".*broken.jsonl:2: not a JSON line \(Expecting property name enclosed in double quotes, "
@@ -503,7 +506,8 @@ def test_each_kind_of_mistake_ends_in_one_line_through_the_launcher(tmp_path, ti
         os.makedirs(tmp_path / name)
         if name == "out-dir":   # what a run that saved step 3 leaves
             (tmp_path / name / "latest").write_text("step_3")
-        cmd = [DEEPSPEED, "--num_gpus", str(world), "--master_port", str(next_port()), "grpo_train.py",
+        quiet = ["--log_level", "critical"] if name == "out-dir" else []
+        cmd = [DEEPSPEED, *quiet, "--num_gpus", str(world), "--master_port", str(next_port()), "grpo_train.py",
                "--model", tiny_model, "--out-dir", str(tmp_path / name), "--max-prompt-len", "64", *flags]
         log = open(tmp_path / name / "run.log", "w")
         runs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -518,6 +522,9 @@ def test_each_kind_of_mistake_ends_in_one_line_through_the_launcher(tmp_path, ti
         # the start-up lines (once the flags are right), then the mistake: nothing else from any rank
         assert len(lines) <= len(START_UP) + 1, (name, lines)
         assert all("Killing subprocess" in line or "exits with return code" in line for line in launcher), launcher
+    # at --log_level critical, no line of the launcher's; the rank's exit status is the launch's
+    rc, out = finish(runs["out-dir"])
+    assert rc == 1 and not said(out)[1] and (tmp_path / "out-dir" / "latest").read_text() == "step_3", out
 
 
 def test_a_bad_flag_without_the_launcher_is_one_line(tiny_model):
@@ -601,13 +608,13 @@ def test_an_engine_dead_before_the_first_push_never_blocks_opening_the_weight_gr
 def _start_and_find(tmp_path, tiny_model):
     """A run whose engine has just been spawned (vLLM still starting: no push yet) -> (run, rank 0, engine)."""
     proc = launch(tmp_path, tiny_model, "--beta", "0", "--steps", "100000")
-    launcher = psutil.Process(proc.pid)
+    rank_0 = psutil.Process(proc.pid)
     deadline, engine = time.time() + 240, None
     while engine is None:
         assert proc.poll() is None, open(proc.log).read()[-3000:]
         assert time.time() < deadline, "the engine never started"
         time.sleep(0.2)
-        engine = engine_of(launcher)
+        engine = engine_of(rank_0)
     metrics = tmp_path / "metrics.jsonl"
     assert not (metrics.exists() and metrics.read_text())   # no step yet
     return proc, engine.parent(), engine
@@ -705,10 +712,9 @@ def test_a_port_another_run_holds_is_one_line_naming_master_port(tmp_path, tiny_
         taken.bind(("", 0))   # a port of this test's, held
         taken.listen()
         port = taken.getsockname()[1]
-        env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"}
-        p = subprocess.run([sys.executable, "grpo_train.py", "--model", tiny_model, "--out-dir", str(tmp_path)],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        cmd, env = rank_zero("--model", tiny_model, "--out-dir", str(tmp_path), port=port)
+        p = subprocess.run(cmd, cwd=ROOT, env={**env, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
+                           timeout=300)
     lines, _ = said(p.stdout + p.stderr)
     assert p.returncode == 1 and "Traceback" not in p.stderr and len(lines) == 1, p.stdout + p.stderr
     assert re.fullmatch(rf"grpo_train.py: port {port} on 127.0.0.1, where the ranks meet, is taken \(another run "
