@@ -299,19 +299,20 @@ def check_jail() -> None:
 def read_output(fd: int, deadline: float) -> bytes:
     """What the jail writes to `fd` until EOF (every process of the jail is gone), `deadline` (time.monotonic)
     or OUTPUT_CAP bytes, whichever comes first. The deadline is checked before every read, however much is
-    waiting (a jail that writes a byte at a time keeps data waiting forever), and each read appends to one
-    bytearray: the time spent is linear in what is read."""
+    waiting (a jail that writes a byte at a time keeps data waiting forever): past it, what already waits is
+    read once, as this process may have waited that long for a core while the jail's lines were there. Each
+    read appends to one bytearray: the time spent is linear in what is read."""
     out, poller = bytearray(), select.poll()
     poller.register(fd, select.POLLIN)
     while len(out) < OUTPUT_CAP:
         left = deadline - time.monotonic()
         # poll() wakes as soon as the child writes or exits, where Popen.wait(timeout) sleeps in steps
-        if left <= 0 or not poller.poll(left * 1000):
+        if not poller.poll(max(left, 0) * 1000):
             break
         chunk = os.read(fd, OUTPUT_CAP - len(out))
-        if not chunk:
-            break
         out += chunk
+        if not chunk or left <= 0:
+            break
     return bytes(out)
 
 

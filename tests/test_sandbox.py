@@ -446,6 +446,22 @@ def test_sleeping_and_flooding_completions_are_cut_short(code, timeout_s, stop, 
     assert stops == [stop] and not lingering(before)
 
 
+def test_what_waits_at_the_deadline_is_read_once():
+    """A reader that gets a core back only after its deadline still reads what the jail wrote before it (its
+    "ready" line, its results): without it the jail "did not start", and the completion scored nan. Once:
+    then it stops, data waiting or not, and with nothing waiting it does not wait."""
+    r, w = os.pipe()
+    try:
+        os.write(w, b"\nready\n")
+        assert sandbox.read_output(r, time.monotonic() - 1) == b"\nready\n"
+        t0 = time.monotonic()
+        assert sandbox.read_output(r, time.monotonic() - 1) == b""
+        assert time.monotonic() - t0 < 1
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_forged_results_need_the_right_values():
     # in-process code can find the nonce (here in the prologue's frame) and write result lines itself; they
     # count only if they hold the right values, which the child never sees, and not at all next to the
