@@ -58,6 +58,14 @@ def rank_zero(*args, port):
     return [sys.executable, "-u", "grpo_train.py", "--local_rank=0", *args], env
 
 
+def demo_settings(out_dir, model, *flags):
+    """-> (command, environment) of grpo_train.py with the demo's settings (demo.run_demo.TRAIN_FLAGS, seed
+    0) and then `flags`, as rank 0 alone (rank_zero), writing to out_dir."""
+    from demo.run_demo import TRAIN_FLAGS
+    return rank_zero("--model", model, "--out-dir", str(out_dir), "--seed", "0", *TRAIN_FLAGS, *flags,
+                     port=next_port())
+
+
 def running(process):
     """Whether a psutil.Process still runs: not ended, and not a zombie waiting for its parent to reap it."""
     try:

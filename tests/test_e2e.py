@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import next_port, no_allreduce_buffer_left, rank_zero, running
+from conftest import demo_settings, next_port, no_allreduce_buffer_left, rank_zero, running
 from metrics import FIRST_STEP_KL
 from test_metrics import WARNING
 
@@ -44,10 +44,8 @@ def run_demo(out_dir, *args, timeout=600):
 
 def with_demo_settings(out_dir, model, *flags):
     """grpo_train.py with the demo's settings (demo.run_demo.TRAIN_FLAGS, seed 0) and then `flags`, as rank
-    0 alone (conftest.rank_zero), which starts the reference server -> (process, metrics rows)."""
-    from demo.run_demo import TRAIN_FLAGS
-    cmd, env = rank_zero("--model", model, "--out-dir", str(out_dir), "--seed", "0", *TRAIN_FLAGS, *flags,
-                         port=next_port())
+    0 alone (conftest.demo_settings), which starts the reference server -> (process, metrics rows)."""
+    cmd, env = demo_settings(out_dir, model, *flags)
     return finished(subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600), out_dir)
 
 

@@ -15,9 +15,8 @@ import time
 import psutil
 import pytest
 
-from conftest import next_port, rank_zero, running
+from conftest import demo_settings, next_port, running
 from test_faults import finish, rows_of
-from demo.run_demo import TRAIN_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,11 +67,10 @@ def servers(demo_model, tmp_path_factory):
 
 
 def launch(out_dir, model, *flags):
-    """grpo_train.py with the demo's settings, rank 0 as the launcher starts it (conftest.rank_zero), in a
+    """grpo_train.py with the demo's settings, rank 0 as the launcher starts it (conftest.demo_settings), in a
     process group of its own."""
     os.makedirs(out_dir, exist_ok=True)
-    cmd, env = rank_zero("--model", model, "--out-dir", str(out_dir), "--seed", "0", *TRAIN_FLAGS, *flags,
-                         port=next_port())
+    cmd, env = demo_settings(out_dir, model, *flags)
     log = open(os.path.join(out_dir, "run.log"), "w")   # a file, not a pipe: a full pipe would stall the run
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     proc.log, proc.out_dir = log.name, out_dir
