@@ -437,6 +437,13 @@ def test_check_config_names_every_bad_flag(capsys):
         check_config(1, **vars(get_args(["--model", "m/m", "--ref-url", "127.0.0.1:59875"])))
     assert capsys.readouterr().err == ("grpo_train.py: --ref-url 127.0.0.1:59875: a server's URL starts with "
                                        "http:// (e.g. http://127.0.0.1:59875)\n")
+    # argparse's own refusals, one line each (the process's, with an invalid int: the test below)
+    with pytest.raises(SystemExit):
+        get_args(["--model", "m/m", "--agg", "mean"])
+    err = capsys.readouterr().err   # the choices quoted or not, as Python's version has them
+    assert re.fullmatch(r"grpo_train.py: argument --agg: invalid choice: 'mean' \(choose from "
+                        r"'?seq-mean-token-mean'?, '?token-mean'?, '?seq-mean-token-sum-norm'?\) "
+                        r"\(--help lists the flags\)\n", err), err
 
 
 def test_long_prompts_are_skipped_and_a_task_with_none_left_is_refused(capsys):
