@@ -247,10 +247,8 @@ def test_real_task_plumbing_end_to_end(tmp_path, tiny_model, task, rewards):
                          *data, "--steps", "2", "--beta", "0", "--prompts-per-step", "4", "--group-size", "4",
                          "--max-new-tokens", "16", "--overlong-buffer", "15", "--max-prompt-len", "400",
                          "--eval-every", "1", "--eval-size", "4", "--log-completions", "4", port=next_port())
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    with open(tmp_path / "metrics.jsonl") as f:
-        lines = [json.loads(line) for line in f]
+    _, lines = finished(subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600),
+                        tmp_path)
     # a line per step; the evaluations of steps 1 and 2 both arrive at the end: step 1's has a line of its own
     rows = [r for r in lines if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["eval/step"] == 2
@@ -308,12 +306,10 @@ def test_own_data_in_one_file_and_no_learning_signal_said_aloud(tmp_path, tiny_m
                          str(data), "--chat-template", "none", "--rewards", "demo", "--steps", "3", "--beta", "0",
                          "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8",
                          "--max-prompt-len", "16", "--eval-size", "5", port=next_port())
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    p, rows = finished(subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600),
+                       tmp_path / "run")
     assert re.search(r"--data .*my prompts.jsonl: 25 prompts to train on .* 5 held out for evaluation \(no test "
                      r"split: 5 of its rows, a shuffle seeded 1234, held out and never trained on\)", p.stdout)
-    with open(tmp_path / "run" / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f]
     assert [r["frac_zero_std"] for r in rows] == [1, 1, 1] and rows[-1]["eval/step"] == 3
     (warning,) = [line for line in p.stdout.splitlines() if "no learning signal" in line]
     assert warning.startswith("no learning signal: for 3 steps in a row"), warning
