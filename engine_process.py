@@ -147,9 +147,10 @@ def quiet_vllm_console(model):
 
 
 def probe_params():
-    """The probe's request: one token, and the prompt's log-probs (temperature 1)."""
+    """The probe's request: one token, and the prompt's log-probs (temperature 1), undecoded: nothing reads
+    the entries' text."""
     from vllm import SamplingParams
-    return SamplingParams(max_tokens=1, prompt_logprobs=0)
+    return SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
 
 
 def probe_logps(out, ids):
