@@ -161,7 +161,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, e
 def rollout(llm, next_prompts, n_prompts, args):
     """An engine's share of a batch: sample -> score -> advantages -> filter."""
     from vllm import SamplingParams
-    # vLLM would also decode each token's log-prob (demo: 6-9 ms a batch): the text is decoded here
+    # vLLM would also decode each token's log-prob (demo: 6-20 ms a batch): the text is decoded here
     sampling = SamplingParams(n=args.group_size, temperature=args.temperature,
                               max_tokens=args.max_new_tokens, logprobs=0, detokenize=False)
     decode = partial(llm.get_tokenizer().decode, skip_special_tokens=True)
