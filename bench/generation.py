@@ -7,7 +7,8 @@
 
 Settings on both sides: temperature 1, no top-k/top-p, n completions per prompt, --max-new-tokens, stop at EOS.
 Neither side decodes text: `generate` returns token ids, and vLLM is asked for ids alone (detokenize=False), as
-grpo_train.py asks it (the rollout decodes each completion itself, for the rewards). A third row: vLLM as
+grpo_train.py asks it (the rollout decodes each completion itself, for the rewards); vLLM's default decoding
+costs 2-4 ms a call on the demo model, 18-20 ms with log-probs (bench/README.md section 23). A third row: vLLM as
 grpo_train.py calls it, also returning each sampled token's log-prob (logprobs=0).
 Generated tokens are counted the same way on both sides: up to and including the first EOS, else the limit.
 Each side gets one warm-up call (2 new tokens), then the median of --reps calls is timed. Threads: OMP_NUM_THREADS and
@@ -50,9 +51,6 @@ def vllm_side(path, prompts, a):
     llm = LLM(path, seed=0, dtype="float32" if cpu else "auto", enforce_eager=cpu, max_model_len=1024)
     tok = llm.get_tokenizer()
     ids = [{"prompt_token_ids": tok(p, add_special_tokens=False)["input_ids"]} for p in prompts]
-    # token ids only, as grpo_train.py's rollout asks: vLLM's default also decodes the text and, with logprobs,
-    # each log-prob's token (on the demo model 2-4 ms more a call, 18-20 ms with logprobs), which generate
-    # does not do
     params = SamplingParams(n=a.n, temperature=a.temperature, max_tokens=a.max_new_tokens, detokenize=False)
     # what grpo_train.py asks for: also the log-prob of each sampled token (the PPO ratio's "old" side)
     with_logps = SamplingParams(n=a.n, temperature=a.temperature, max_tokens=a.max_new_tokens, logprobs=0,
