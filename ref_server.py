@@ -37,7 +37,6 @@ class WireError(bottle.HTTPError):
     """An invalid request, /reload folder or answer: in a route, answered with `status_code`."""
     def __init__(self, msg, status=400):
         super().__init__(status, msg)
-
     __str__ = lambda self: self.body
 
 def read_body(body: bytes) -> tuple[dict, dict]:
@@ -183,8 +182,6 @@ def _open(parent, name, path, fds, flags=0) -> int:
 
 def _open_folder(path, checkpoint_dir, fds) -> tuple[str, int]:
     """Folder `path` opened a component at a time from `checkpoint_dir` -> (abspath, its fd)."""
-    if "\0" in path:
-        raise WireError("the path holds a NUL byte")
     # lexical: '..' cannot climb out, and below the root no symlink passes
     folder, root = os.path.abspath(path), os.path.abspath(checkpoint_dir)
     if os.path.commonpath([folder, root]) != root:
@@ -335,8 +332,8 @@ def make_app(served, args):
             path = json.loads(checked_body())["path"]
         except (ValueError, KeyError, TypeError, RecursionError):
             path = None
-        if not isinstance(path, str) or not path:
-            bottle.abort(400, 'expected a JSON body {"path": "..."}')
+        if not isinstance(path, str) or not path or not path.isprintable():
+            bottle.abort(400, 'expected a JSON body {"path": "..."}, the path printable')
         with lock:
             folder, weights = read_checkpoint(path, args.checkpoint_dir, served)
             # checked: the served names, shapes and float dtypes, so the copy cannot fail
@@ -350,7 +347,6 @@ class JsonError(Error):
     """An answer waitress sends (our 401, 408; its own 400, 413, 431...) as JSON, as the app's."""
     def __init__(self, code, reason, body):
         self.code, self.reason, self.body = code, reason, body
-
     def to_response(self, ident=None):
         body = json.dumps({"error": f"{self.reason}: {self.body}"}).encode()
         return f"{self.code} {self.reason}", [("Content-Type", "application/json")], body
@@ -358,7 +354,6 @@ class JsonError(Error):
 def serve(app, args):
     """`app` on waitress 3.0.2, which bounds connections, head (431) and body (413) in bytes; on
     its internals, the token checked at the head and deadlines -> its server (.run())."""
-
     class Parser(HTTPRequestParser):
         # a body needs the token, and Content-Length: any Transfer-Encoding is a 411 (waitress reads
         # chunked, quadratic on a size line that never ends, and answers others 501), before reading
@@ -440,8 +435,13 @@ def main(argv=None):
     args = parse_args(argv)
     # oversubscribed shared cores make everything 10-100x slower
     torch.set_num_threads(args.threads)
-    model = load_model(args.model, args.device, args.dtype, args.fp32_lm_head)
-    server = serve(make_app(model, args), args)
+    # bound first: a port in use is said before the model loads; run() serves the app set below
+    try:
+        server = serve(bottle.Bottle(), args)
+    except OSError as e:
+        raise SystemExit(f"ref_server: cannot listen on {args.host}:{args.port}: {e.strerror}")
+    server.application = make_app(load_model(args.model, args.device, args.dtype,
+                                             args.fp32_lm_head), args)
     print(f"ref_server: {args.model} on {args.device}, listening on "
           f"http://{args.host}:{server.effective_port}", flush=True)
     server.run()

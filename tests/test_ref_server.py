@@ -293,6 +293,21 @@ def test_refuses_network_host_without_token():
     assert "--insecure" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
+    """A port another process listens on: one line naming it, said before the model loads (this --model's
+    config.json is not JSON: loaded first, it would end in transformers' traceback)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{not json")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", str(model),
+                            "--port", str(port)], capture_output=True, text=True, timeout=60,
+                           env=env_without_token())
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines() == [f"ref_server: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
 @pytest.mark.parametrize("model", ["runs/no-such-run/model", "./nope", "/nonexistent"])
 def test_a_model_folder_that_is_not_there_is_one_line(tmp_path, model):
     """A path (two slashes, or . / ~ first) that names no folder: the flag's error, not transformers'
@@ -541,7 +556,9 @@ def bad_checkpoints(ckpts, good, outside):
                              # last: on main it left lm_head random and every later reload refused
                              ("tie_word_embeddings", False)]],
         ("weights-not-safetensors", variant("garbage", files={"model.safetensors": b"garbage"}), 422, "readable"),
-        ("nul-byte", str(good) + "\0x", 400, "NUL"),
+        ("nul-byte", str(good) + "\0x", 400, "the path printable"),
+        # JSON's "\ud800", which no file system encodes: a 500 and its traceback, then a client's retries
+        ("lone-surrogate", str(good) + "\ud800", 400, "the path printable"),
         ("empty", ckpts / "empty", 422, "not a checkpoint folder: it has no config.json"),
         ("missing", ckpts / "missing", 400, "not a checkpoint"),
     ]
