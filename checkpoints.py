@@ -8,7 +8,6 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import signal
 
 import torch.distributed as dist
@@ -16,6 +15,7 @@ from safetensors.torch import save_file
 
 from lora import vllm_weights
 from placement import stop_with
+from run_folder import remove
 
 
 # flags that may change when a run is resumed: its length, where it writes, and the machinery (devices,
@@ -60,14 +60,6 @@ def lock_holder(folder):
     return f" (pid {pids[0]})" if pids else ""
 
 
-def remove(path):
-    """A checkpoint's folder or file, gone; a symlink in its place is removed, never followed."""
-    if os.path.islink(path) or not os.path.isdir(path):
-        os.remove(path)
-    else:
-        shutil.rmtree(path)
-
-
 def fresh_state(config=None):
     return {"step": 0, "data_pos": 0, "ref": None, "counts": {"skipped_steps": 0, "stale_dropped": 0},
             "config": config}
@@ -90,20 +82,14 @@ def flag_changes(saved, config):
             if k not in FREE_ON_RESUME and config.get(k) != v]
 
 
-def clear_run(out_dir):
-    """--overwrite: the checkpoints and `latest` of the run out_dir held (metrics.jsonl is rewritten)."""
-    for name in os.listdir(out_dir):
-        if name == "latest" or re.fullmatch(r"step_\d+(\.tmp)?", name):
-            remove(os.path.join(out_dir, name))
-
-
 def read_state(master, *, out_dir, resume, overwrite=False, resume_with_changes=False, eval_only=False,
                **flags):
     """All ranks: the run's state, a fresh one or (resume) the one saved with the checkpoint `latest` names;
     it records the run's flags (config), which a resume compares. Read before the engine is built: the
     generation process starts from it while DeepSpeed sets up. An --out-dir that holds another run is
-    refused unless --resume or --overwrite; a resume that would change the run is refused unless
-    --resume-with-changes, and one with another --model or --lora-rank always: one line each."""
+    refused unless --resume or --overwrite (which deletes nothing here: MetricsLog does, at the new run's
+    first row); a resume that would change the run is refused unless --resume-with-changes, and one with
+    another --model or --lora-rank always: one line each."""
     # --eval-only writes only its result (beside the checkpoint it evaluates): no run's folder to hold
     if master and not eval_only:
         hold_out_dir(out_dir)
@@ -113,10 +99,6 @@ def read_state(master, *, out_dir, resume, overwrite=False, resume_with_changes=
     if found and not (resume or overwrite):
         stop_with(f"--out-dir {out_dir} holds another run ({found}): --resume continues it, --overwrite "
                   f"replaces it, or pass another --out-dir")
-    if found and overwrite and not resume:
-        if master:
-            clear_run(out_dir)
-        return state
     if not resume:
         return state
     if not os.path.exists(latest):

@@ -187,10 +187,45 @@ def test_an_out_dir_holding_a_run_is_refused_unless_resumed_or_overwritten(tmp_p
     assert "--resume continues it, --overwrite replaces it" in line
     assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume") is None
     assert refusal(capsys, tmp_path, "--lr", "3e-4", "--eval-only") is None   # it writes eval.json only
-    # --overwrite: the old run's checkpoints go, so no stale step_10 stays beside the new run's
-    (tmp_path / "model").mkdir()
     assert refusal(capsys, tmp_path, "--overwrite") is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "model"]
+
+
+# a step's metrics, as the step line needs them
+ROW = {"reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "entropy": 1.0, "completion_len/mean": 5.0, "frac_zero_std": 0.5}
+
+
+def jsonl(path, rows, torn=False):
+    """A JSON-lines file of these rows; torn: with the half line a killed run leaves last."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + ('{"step": 4' if torn else ""))
+
+
+def steps_in(path, key="step"):
+    return [json.loads(line)[key] for line in path.read_text().splitlines()]
+
+
+def test_overwrite_deletes_the_old_run_only_at_the_new_runs_first_row(tmp_path):
+    """--overwrite deleted the old run's checkpoints as the run started, before it read its model and data: a
+    typo in the new run's --data left neither run. The old run now stays whole until the new run writes its
+    first row (its checkpoint loaded, vLLM started, a step trained); then its checkpoints go, so no stale
+    step_10 stays beside the new run's, and its metrics and completions files start empty."""
+    from checkpoints import read_state
+    from metrics import MetricsLog
+    a_run(tmp_path, "--lr", "3e-4")
+    (tmp_path / "model").mkdir()
+    jsonl(tmp_path / "completions.jsonl", [{"step": s, "completion": "old"} for s in (1, 2)])
+    jsonl(tmp_path / "eval_completions.jsonl", [{"eval/step": 0, "completion": "old"}])
+    before = sorted(p.name for p in tmp_path.iterdir())
+    argv = ("--overwrite", "--log-completions", "1")
+    read_state(True, **{**flags(*argv), "out_dir": str(tmp_path)})
+    log = MetricsLog(0, **{**flags(*argv), "out_dir": str(tmp_path)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["config.yaml"])
+    assert (tmp_path / "latest").read_text() == "step_10" and steps_in(tmp_path / "completions.jsonl") == [1, 2]
+    log.write({"step": 1, **ROW, "samples": [{"prompt": "1+1=", "completion": "new"}]})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["completions.jsonl", "config.yaml",
+                                                          "eval_completions.jsonl", "metrics.jsonl", "model"]
+    assert steps_in(tmp_path / "metrics.jsonl") == [1]
+    assert [json.loads(line)["completion"] for line in (tmp_path / "completions.jsonl").open()] == ["new"]
+    assert (tmp_path / "eval_completions.jsonl").read_text() == ""
 
 
 def test_a_resume_that_changes_the_run_says_which_flags_and_needs_consent(tmp_path, capsys):
@@ -261,24 +296,31 @@ def test_a_state_that_is_not_its_checkpoints_stops_the_resume_in_one_line_touchi
     assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume") is None
 
 
-def test_metrics_are_rewritten_only_once_the_checkpoint_has_loaded(tmp_path):
-    """On resume, metrics.jsonl keeps the rows up to the checkpoint: the rewrite waits for the first row,
-    which a run writes after its checkpoint has loaded (a checkpoint that fails to load leaves them all)."""
+def test_metrics_and_completions_are_cut_to_the_checkpoint_only_once_it_has_loaded(tmp_path):
+    """On resume from step 10, metrics.jsonl, completions.jsonl and eval_completions.jsonl keep the rows up
+    to step 10 (the completions files kept the later steps too, which the resumed run then wrote twice), and
+    drop the torn line a killed run left last: the rewrite waits for the first row, which a run writes after
+    its checkpoint has loaded (a checkpoint that fails to load leaves them all)."""
     from metrics import MetricsLog
-    rows = "".join(json.dumps({"step": s}) + "\n" for s in range(1, 42))
-    (tmp_path / "metrics.jsonl").write_text(rows)
-    log = MetricsLog(10, **{**flags("--steps", "20"), "out_dir": str(tmp_path)})
-    assert (tmp_path / "metrics.jsonl").read_text() == rows
-    log.write({"step": 11, "reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "entropy": 1.0, "completion_len/mean": 5.0,
-               "frac_zero_std": 0.5})
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 12))
+    jsonl(tmp_path / "metrics.jsonl", [{"step": s} for s in range(1, 42)], torn=True)
+    jsonl(tmp_path / "completions.jsonl", [{"step": s} for s in range(1, 42)], torn=True)
+    # an evaluation's rows name the step it scored
+    jsonl(tmp_path / "eval_completions.jsonl", [{"eval/step": s} for s in range(0, 42, 5)], torn=True)
+    files = ("metrics.jsonl", "completions.jsonl", "eval_completions.jsonl")
+    before = [(tmp_path / name).read_text() for name in files]
+    log = MetricsLog(10, **{**flags("--steps", "20", "--log-completions", "1"), "out_dir": str(tmp_path)})
+    assert [(tmp_path / name).read_text() for name in files] == before
+    log.write({"step": 11, **ROW, "samples": [{"prompt": "1+1=", "completion": "2"}]})
+    assert steps_in(tmp_path / "metrics.jsonl") == list(range(1, 12))
+    assert steps_in(tmp_path / "completions.jsonl") == list(range(1, 12))
+    assert steps_in(tmp_path / "eval_completions.jsonl", "eval/step") == [0, 5, 10]
 
 
-def test_a_symlinked_step_folder_is_removed_never_followed(tmp_path, capsys):
+def test_a_symlinked_step_folder_is_removed_never_followed(tmp_path):
     """Pruning and --overwrite met a step_N (or step_N.tmp) that is a symlink: a traceback (rmtree refuses
     links). The link is removed now, and what it points to stays whole."""
     from checkpoints import prune_checkpoints
+    from metrics import MetricsLog
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "keep.txt").write_text("keep")
@@ -292,8 +334,8 @@ def test_a_symlinked_step_folder_is_removed_never_followed(tmp_path, capsys):
     a_run(again, "--lr", "3e-4")
     (again / "step_5").symlink_to(outside)
     (again / "step_11.tmp").symlink_to(outside)
-    assert refusal(capsys, again, "--overwrite") is None
-    assert sorted(p.name for p in again.iterdir()) == ["metrics.jsonl"]
+    MetricsLog(0, **{**flags("--overwrite"), "out_dir": str(again)}).write({"step": 1, **ROW})
+    assert sorted(p.name for p in again.iterdir()) == ["config.yaml", "metrics.jsonl"]
     assert (outside / "keep.txt").read_text() == "keep"
 
 
