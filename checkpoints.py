@@ -82,14 +82,14 @@ def flag_changes(saved, config):
             if k not in FREE_ON_RESUME and config.get(k) != v]
 
 
-def read_state(master, *, out_dir, resume, overwrite=False, resume_with_changes=False, eval_only=False,
-               **flags):
+def read_state(master, *, out_dir, resume, steps, overwrite=False, resume_with_changes=False,
+               eval_only=False, **flags):
     """All ranks: the run's state, a fresh one or (resume) the one saved with the checkpoint `latest` names;
     it records the run's flags (config), which a resume compares. Read before the engine is built: the
     generation process starts from it while DeepSpeed sets up. An --out-dir that holds another run is
     refused unless --resume or --overwrite (which deletes nothing here: MetricsLog does, at the new run's
-    first row); a resume that would change the run is refused unless --resume-with-changes, and one with
-    another --model or --lora-rank always: one line each."""
+    first row); a resume that would change the run is refused unless --resume-with-changes, one with another
+    --model or --lora-rank always, and one with no step left to take: one line each."""
     # --eval-only writes only its result (beside the checkpoint it evaluates): no run's folder to hold
     if master and not eval_only:
         hold_out_dir(out_dir)
@@ -119,6 +119,10 @@ def read_state(master, *, out_dir, resume, overwrite=False, resume_with_changes=
     if changes and not resume_with_changes:
         stop_with(f"--resume: these flags differ from {path}'s run: {', '.join(changes)}; "
                   f"--resume-with-changes continues with them, or pass the run's values")
+    # --eval-only takes no step: it evaluates the checkpoint
+    if not eval_only and steps <= state["step"]:
+        stop_with(f"--steps {steps}: the checkpoint in {out_dir} is at step {state['step']} already; pass "
+                  f"a larger --steps")
     if master:
         print(f"resuming after step {state['step']} from {path}"
               + (f" with {', '.join(changes)}" if changes else ""), flush=True)

@@ -53,7 +53,7 @@ for phase in phases.split(","):
         save_file({"logits": logits}, os.path.join(out, "logits.safetensors"))
     elif phase == "resumed":
         # before the engine loads it, as grpo_train.main does (with the flags that bound its data position)
-        state = read_state(True, out_dir=out, resume=True, prompts_per_step=4, max_gen_rounds=1)
+        state = read_state(True, out_dir=out, resume=True, steps=3, prompts_per_step=4, max_gen_rounds=1)
         load_checkpoint(engine, out, state["step"])
         assert (state["step"], state["data_pos"], state["counts"]["stale_dropped"]) == (2, 7, 0), state
     elif int(lora_rank):
@@ -244,6 +244,20 @@ def test_a_resume_that_changes_the_run_says_which_flags_and_needs_consent(tmp_pa
                         (["--model", "m/other"], "--model m/base; it cannot continue with --model m/other")]:
         line = refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--resume-with-changes", *argv)
         assert named in line, line
+
+
+def test_a_resume_with_no_step_left_is_one_line_before_anything_starts(tmp_path, capsys):
+    """--resume --steps 10 from a checkpoint at step 10 (or past it) started vLLM and the reference server,
+    took no step and ended with status 0, saying nothing; --eval-only of it evaluates, as before."""
+    a_run(tmp_path, "--lr", "3e-4")
+    for steps in ("10", "5"):
+        line = refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--steps", steps)
+        assert line == (f"grpo_train.py: --steps {steps}: the checkpoint in {tmp_path} is at step 10 already; "
+                        f"pass a larger --steps"), line
+    assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--steps", "11") is None
+    assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--steps", "5", "--eval-only") is None
+
+
 
 
 def test_the_summary_line_and_completions_file(tmp_path, capsys):

@@ -115,7 +115,7 @@ def test_killed_generation_process_stops_the_run_quickly_with_no_orphans(tmp_pat
     from checkpoints import read_state
     (tmp_path.parent / f"{tmp_path.name}-link").symlink_to(tmp_path)
     with pytest.raises(SystemExit):
-        read_state(True, out_dir=f"{tmp_path}-link", resume=False, overwrite=True)
+        read_state(True, out_dir=f"{tmp_path}-link", resume=False, steps=100000, overwrite=True)
     assert capsys.readouterr().err == (f"grpo_train.py: --out-dir {tmp_path}-link is in use by another run (pid "
                                        f"{rank_0.pid}): wait for it to end, or pass another --out-dir\n")
     t0 = time.time()
