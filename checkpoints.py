@@ -173,14 +173,25 @@ def checked_state(path, tag, flags) -> dict:
 
 def load_checkpoint(engine, out_dir, step):
     """All ranks: the model and this rank's optimizer shard (DeepSpeed 0.19) of checkpoint step_<step>; none at
-    step 0 (a fresh run)."""
+    step 0 (a fresh run). A file of them missing (deleted to save space) or a load DeepSpeed gives up on:
+    one line naming the folder, before the run writes anything."""
     if step == 0:
         return
+    tag = f"step_{step}"
+    folder = os.path.join(out_dir, tag)
+    restart = (f"resume from another checkpoint (write its name into {out_dir}/latest), or start a new run "
+               f"from its weights (--model {folder}) in another --out-dir")
+    # the files DeepSpeed 0.19 reads for this rank, named as it names them: a missing model file fails its
+    # load on a bare assert, a missing shard on a traceback
+    needed = [engine._get_ckpt_name(out_dir, tag), engine._get_zero_ckpt_name(out_dir, tag)]
+    if missing := [os.path.basename(name) for name in needed if not os.path.isfile(name)]:
+        stop_with(f"--resume: {folder} has no {' and no '.join(missing)}, which DeepSpeed reads to resume: "
+                  f"{restart}")
     # frozen weights (LoRA's base) are not in the checkpoint: they are --model's, loaded already
     frozen = any(not p.requires_grad for p in engine.module.parameters())
-    path, _ = engine.load_checkpoint(out_dir, tag=f"step_{step}", load_module_strict=not frozen)
+    path, _ = engine.load_checkpoint(out_dir, tag=tag, load_module_strict=not frozen)
     if path is None:
-        raise RuntimeError(f"{os.path.join(out_dir, f'step_{step}')}: DeepSpeed could not load this checkpoint")
+        stop_with(f"--resume: DeepSpeed could not load the checkpoint {folder}: {restart}")
 
 
 def save_checkpoint(engine, tokenizer, out_dir, state, *, keep, new_reference=False):

@@ -258,6 +258,51 @@ def test_a_resume_with_no_step_left_is_one_line_before_anything_starts(tmp_path,
     assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--steps", "5", "--eval-only") is None
 
 
+LACKING = r"""
+import os, shutil, sys
+base, out, port = sys.argv[1:]
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+import deepspeed
+from checkpoints import load_checkpoint, save_checkpoint
+from run_setup import build_engine, load_policy, skip_shm_allreduce_op
+
+skip_shm_allreduce_op()
+deepspeed.init_distributed()
+model, tok = load_policy(base, grad_ckpt=False)
+engine = build_engine(model, "ds_config.json", lr=1e-2, micro_batch=4)
+save_checkpoint(engine, tok, out, {"step": 2, "ref": None}, keep=0)
+folder = os.path.join(out, "step_2")
+# each of DeepSpeed's files away in turn, as a user saving space would delete it
+for name in sorted(n for n in os.listdir(folder) if n.endswith(".pt")):
+    shutil.move(os.path.join(folder, name), out)
+    try:
+        load_checkpoint(engine, out, 2)
+    except SystemExit as e:
+        print("probe: exit", e.code, flush=True)
+    shutil.move(os.path.join(out, name), folder)
+load_checkpoint(engine, out, 2)
+print("probe: loaded", flush=True)
+"""
+
+
+def test_a_checkpoint_lacking_deepspeeds_files_stops_the_resume_in_one_line(tmp_path, tiny_model):
+    """A step folder without DeepSpeed's model file or its optimizer shard (deleted to save space) ended
+    --resume in a traceback (an AssertionError without a message, a FileNotFoundError). Each is one line
+    naming the folder and the file, exit status 1, before the run writes anything (metrics.jsonl stays)."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    p = subprocess.run([sys.executable, "-c", LACKING, tiny_model, str(tmp_path), str(next_port())], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    folder = tmp_path / "step_2"
+    files = sorted(f.name for f in folder.glob("*.pt"))
+    assert files == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], files
+    said = [line for line in p.stderr.splitlines() if line.startswith("grpo_train.py")]
+    assert said == [f"grpo_train.py: --resume: {folder} has no {name}, which DeepSpeed reads to resume: resume "
+                    f"from another checkpoint (write its name into {tmp_path}/latest), or start a new run from "
+                    f"its weights (--model {folder}) in another --out-dir" for name in files], p.stderr[-3000:]
+    probed = [line for line in p.stdout.splitlines() if line.startswith("probe: ")]
+    assert "Traceback" not in p.stderr and probed == ["probe: exit 1"] * 2 + ["probe: loaded"], p.stdout
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
 def test_the_summary_line_and_completions_file(tmp_path, capsys):
