@@ -258,6 +258,30 @@ def test_a_resume_with_no_step_left_is_one_line_before_anything_starts(tmp_path,
     assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--steps", "5", "--eval-only") is None
 
 
+def test_eval_only_of_a_checkpoint_whose_state_or_config_is_broken_is_one_line(tmp_path, capsys):
+    """--eval-only --model runs/x/step_10 read grpo_state.json and the run's config.yaml beside it on
+    trust: broken JSON or YAML was a traceback. Each is one line naming the file, exit status 1."""
+    from grpo_train import get_args
+    a_run(tmp_path, "--lr", "3e-4", "--task", "gsm8k")
+    state_file, config = tmp_path / "step_10" / "grpo_state.json", tmp_path / "config.yaml"
+    good = state_file.read_text()
+    for state, yaml_text, said in [('{"step": 10, ', None, f"{state_file} cannot be read (Expecting"),
+                                   ("[10]", None, f"{state_file} is not a JSON object: mend it, or move it away"),
+                                   (good, "task: [gsm8k\n", f"{config}: not YAML (line 2, column 1): expected"),
+                                   (good, "- gsm8k\n", f"{config}: not a mapping of flag: value; it holds the "
+                                                       f"flags of {tmp_path / 'step_10'}'s run")]:
+        state_file.write_text(state)
+        if yaml_text is not None:
+            config.write_text(yaml_text)
+        with pytest.raises(SystemExit) as stop:
+            get_args(["--model", str(tmp_path / "step_10"), "--eval-only"])
+        (line,) = capsys.readouterr().err.splitlines()
+        assert stop.value.code == 1 and line.startswith(f"grpo_train.py: --eval-only: {said}"), line
+    config.unlink()
+    args = get_args(["--model", str(tmp_path / "step_10"), "--eval-only"])
+    assert (args.eval_step, args.task) == (10, "gsm8k")
+
+
 LACKING = r"""
 import os, shutil, sys
 base, out, port = sys.argv[1:]
