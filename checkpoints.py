@@ -19,12 +19,14 @@ from run_folder import remove
 
 
 # flags that may change when a run is resumed: its length, where it writes, and the machinery (devices,
-# servers, memory, evaluation, logging); every other flag changes what the run learns
+# servers, memory, reward workers, evaluation, logging, the --config file that gave the flags); every
+# other flag changes what the run learns
 FREE_ON_RESUME = {
     "steps", "out_dir", "resume", "overwrite", "resume_with_changes", "local_rank", "micro_batch",
-    "grad_ckpt", "ds_config", "gen_device", "gen_devices", "gen_mem", "gen_kv_gb", "ref_url", "ref_wait",
-    "sync_tol", "max_skips", "threads", "dist_timeout", "eval_every", "eval_size", "eval_only",
-    "save_every", "keep_checkpoints", "tensorboard", "log_completions"}
+    "grad_ckpt", "ds_config", "gen_device", "gen_devices", "gen_urls", "gen_timeout", "gen_mem",
+    "gen_kv_gb", "ref_url", "ref_device", "ref_wait", "sync_tol", "max_skips", "threads", "dist_timeout",
+    "reward_workers", "eval_every", "eval_size", "eval_only", "save_every", "keep_checkpoints",
+    "tensorboard", "wandb", "log_every", "log_completions", "log_completions_every", "config"}
 # flags no resume can change: the checkpoint's weights are these
 FIXED_ON_RESUME = ("model", "lora_rank", "lora_targets")
 

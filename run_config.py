@@ -20,8 +20,9 @@ EVAL_FLAGS = ("task", "data", "seed", "prompt_key", "answer_key", "chat_template
               "max_new_tokens", "max_prompt_len", "eval_size")
 # what each logging flag imports, and the pin the requirements files install
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard==2.21.0"), "wandb": ("wandb", "wandb==0.31.0")}
-# flags no config file sets: the launcher's, and those that say what to do with an --out-dir this once
-NOT_IN_CONFIG = ("config", "local_rank", "resume", "overwrite", "resume_with_changes")
+# flags no config file sets: the launcher's, those that say what to do with an --out-dir this once, and
+# --help, which would print the help and exit 0 where the file meant a run
+NOT_IN_CONFIG = ("config", "local_rank", "resume", "overwrite", "resume_with_changes", "help")
 
 
 def positive(text):

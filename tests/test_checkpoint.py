@@ -246,6 +246,24 @@ def test_a_resume_that_changes_the_run_says_which_flags_and_needs_consent(tmp_pa
         assert named in line, line
 
 
+def test_a_resume_may_change_logging_devices_servers_and_the_config_file(tmp_path, capsys):
+    """docs/checkpoints.md: a resume's logging, devices and servers may change freely. --log-every,
+    --log-completions-every, --wandb, --ref-device, --gen-urls, --gen-timeout and --reward-workers were
+    refused as changes to the run, and so was --config with the run's own config.yaml ("(was None)"). The
+    checkpoint here is one the previous version saved: its state records those flags."""
+    from metrics import MetricsLog
+    a_run(tmp_path, "--lr", "3e-4")
+    state_file = tmp_path / "step_10" / "grpo_state.json"
+    every_flag = {k: v for k, v in flags("--lr", "3e-4").items() if k not in ("out_dir", "resume")}
+    state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "config": every_flag}))
+    assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--log-every", "5", "--log-completions-every",
+                   "2", "--wandb", "--ref-device", "cpu", "--gen-urls", "http://10.0.0.2:8000", "--gen-timeout",
+                   "30", "--reward-workers", "4") is None
+    MetricsLog(0, **{**flags("--lr", "3e-4"), "out_dir": str(tmp_path)})
+    assert refusal(capsys, tmp_path, "--config", str(tmp_path / "config.yaml"), "--resume") is None
+    assert "resuming after step 10 from" in capsys.readouterr().out
+
+
 def test_a_resume_with_no_step_left_is_one_line_before_anything_starts(tmp_path, capsys):
     """--resume --steps 10 from a checkpoint at step 10 (or past it) started vLLM and the reference server,
     took no step and ended with status 0, saying nothing; --eval-only of it evaluates, as before."""
