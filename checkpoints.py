@@ -8,7 +8,6 @@ import fcntl
 import json
 import os
 import re
-import shutil
 import signal
 
 import torch.distributed as dist
@@ -16,15 +15,18 @@ from safetensors.torch import save_file
 
 from lora import vllm_weights
 from placement import stop_with
+from run_folder import remove
 
 
 # flags that may change when a run is resumed: its length, where it writes, and the machinery (devices,
-# servers, memory, evaluation, logging); every other flag changes what the run learns
+# servers, memory, reward workers, evaluation, logging, the --config file that gave the flags); every
+# other flag changes what the run learns
 FREE_ON_RESUME = {
     "steps", "out_dir", "resume", "overwrite", "resume_with_changes", "local_rank", "micro_batch",
-    "grad_ckpt", "ds_config", "gen_device", "gen_devices", "gen_mem", "gen_kv_gb", "ref_url", "ref_wait",
-    "sync_tol", "max_skips", "threads", "dist_timeout", "eval_every", "eval_size", "eval_only",
-    "save_every", "keep_checkpoints", "tensorboard", "log_completions"}
+    "grad_ckpt", "ds_config", "gen_device", "gen_devices", "gen_urls", "gen_timeout", "gen_mem",
+    "gen_kv_gb", "ref_url", "ref_device", "ref_wait", "sync_tol", "max_skips", "threads", "dist_timeout",
+    "reward_workers", "eval_every", "eval_size", "eval_only", "save_every", "keep_checkpoints",
+    "tensorboard", "wandb", "log_every", "log_completions", "log_completions_every", "config"}
 # flags no resume can change: the checkpoint's weights are these
 FIXED_ON_RESUME = ("model", "lora_rank", "lora_targets")
 
@@ -60,14 +62,6 @@ def lock_holder(folder):
     return f" (pid {pids[0]})" if pids else ""
 
 
-def remove(path):
-    """A checkpoint's folder or file, gone; a symlink in its place is removed, never followed."""
-    if os.path.islink(path) or not os.path.isdir(path):
-        os.remove(path)
-    else:
-        shutil.rmtree(path)
-
-
 def fresh_state(config=None):
     return {"step": 0, "data_pos": 0, "ref": None, "counts": {"skipped_steps": 0, "stale_dropped": 0},
             "config": config}
@@ -90,20 +84,14 @@ def flag_changes(saved, config):
             if k not in FREE_ON_RESUME and config.get(k) != v]
 
 
-def clear_run(out_dir):
-    """--overwrite: the checkpoints and `latest` of the run out_dir held (metrics.jsonl is rewritten)."""
-    for name in os.listdir(out_dir):
-        if name == "latest" or re.fullmatch(r"step_\d+(\.tmp)?", name):
-            remove(os.path.join(out_dir, name))
-
-
-def read_state(master, *, out_dir, resume, overwrite=False, resume_with_changes=False, eval_only=False,
-               **flags):
+def read_state(master, *, out_dir, resume, steps, overwrite=False, resume_with_changes=False,
+               eval_only=False, **flags):
     """All ranks: the run's state, a fresh one or (resume) the one saved with the checkpoint `latest` names;
     it records the run's flags (config), which a resume compares. Read before the engine is built: the
     generation process starts from it while DeepSpeed sets up. An --out-dir that holds another run is
-    refused unless --resume or --overwrite; a resume that would change the run is refused unless
-    --resume-with-changes, and one with another --model or --lora-rank always: one line each."""
+    refused unless --resume or --overwrite (which deletes nothing here: MetricsLog does, at the new run's
+    first row); a resume that would change the run is refused unless --resume-with-changes, one with another
+    --model or --lora-rank always, and one with no step left to take: one line each."""
     # --eval-only writes only its result (beside the checkpoint it evaluates): no run's folder to hold
     if master and not eval_only:
         hold_out_dir(out_dir)
@@ -113,10 +101,6 @@ def read_state(master, *, out_dir, resume, overwrite=False, resume_with_changes=
     if found and not (resume or overwrite):
         stop_with(f"--out-dir {out_dir} holds another run ({found}): --resume continues it, --overwrite "
                   f"replaces it, or pass another --out-dir")
-    if found and overwrite and not resume:
-        if master:
-            clear_run(out_dir)
-        return state
     if not resume:
         return state
     if not os.path.exists(latest):
@@ -137,6 +121,10 @@ def read_state(master, *, out_dir, resume, overwrite=False, resume_with_changes=
     if changes and not resume_with_changes:
         stop_with(f"--resume: these flags differ from {path}'s run: {', '.join(changes)}; "
                   f"--resume-with-changes continues with them, or pass the run's values")
+    # --eval-only takes no step: it evaluates the checkpoint
+    if not eval_only and steps <= state["step"]:
+        stop_with(f"--steps {steps}: the checkpoint in {out_dir} is at step {state['step']} already; pass "
+                  f"a larger --steps")
     if master:
         print(f"resuming after step {state['step']} from {path}"
               + (f" with {', '.join(changes)}" if changes else ""), flush=True)
@@ -187,14 +175,25 @@ def checked_state(path, tag, flags) -> dict:
 
 def load_checkpoint(engine, out_dir, step):
     """All ranks: the model and this rank's optimizer shard (DeepSpeed 0.19) of checkpoint step_<step>; none at
-    step 0 (a fresh run)."""
+    step 0 (a fresh run). A file of them missing (deleted to save space) or a load DeepSpeed gives up on:
+    one line naming the folder, before the run writes anything."""
     if step == 0:
         return
+    tag = f"step_{step}"
+    folder = os.path.join(out_dir, tag)
+    restart = (f"resume from another checkpoint (write its name into {out_dir}/latest), or start a new run "
+               f"from its weights (--model {folder}) in another --out-dir")
+    # the files DeepSpeed 0.19 reads for this rank, named as it names them: a missing model file fails its
+    # load on a bare assert, a missing shard on a traceback
+    needed = [engine._get_ckpt_name(out_dir, tag), engine._get_zero_ckpt_name(out_dir, tag)]
+    if missing := [os.path.basename(name) for name in needed if not os.path.isfile(name)]:
+        stop_with(f"--resume: {folder} has no {' and no '.join(missing)}, which DeepSpeed reads to resume: "
+                  f"{restart}")
     # frozen weights (LoRA's base) are not in the checkpoint: they are --model's, loaded already
     frozen = any(not p.requires_grad for p in engine.module.parameters())
-    path, _ = engine.load_checkpoint(out_dir, tag=f"step_{step}", load_module_strict=not frozen)
+    path, _ = engine.load_checkpoint(out_dir, tag=tag, load_module_strict=not frozen)
     if path is None:
-        raise RuntimeError(f"{os.path.join(out_dir, f'step_{step}')}: DeepSpeed could not load this checkpoint")
+        stop_with(f"--resume: DeepSpeed could not load the checkpoint {folder}: {restart}")
 
 
 def save_checkpoint(engine, tokenizer, out_dir, state, *, keep, new_reference=False):

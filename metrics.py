@@ -13,6 +13,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from run_folder import clear_run, keep_rows
+
 
 def rollout_metrics(scored, advantages, rounds, n_kept, n_dropped, args):
     """A batch's reward/*, completion_len/*, frac_zero_std, gen/rounds, gen/samples, batch/groups, and
@@ -254,10 +256,10 @@ class MetricsLog:
     resolved flags (config.yaml, which --config repeats), the progress line (Progress, with NoSignalWatch's
     warning), the plot metrics.png (plot.py) at the end and at each evaluation a minute or more after the
     last drawing, tensorboard and W&B if asked, completions.jsonl and eval_completions.jsonl
-    (--log-completions), and the closing line. On resume the metrics file keeps the steps up to the
-    checkpoint, so it stays one line per step, and one per evaluation that arrived with a later one or after
-    the last line (a stopped run). With --eval-only it writes eval.json instead, beside the checkpoint it
-    evaluates (run_config.evaluate_as_trained)."""
+    (--log-completions), and the closing line. On resume the metrics and completions files keep the steps up
+    to the checkpoint, so the metrics file stays one line per step, and one per evaluation that arrived with
+    a later one or after the last line (a stopped run). With --eval-only it writes eval.json instead, beside
+    the checkpoint it evaluates (run_config.evaluate_as_trained)."""
     # a drawing holds rank 0's loop 0.4 s (the first 0.9 s, importing matplotlib): drawn at every
     # evaluation of the demo (one in 10 steps of ~0.1 s) it was a fifth of the training time
     plot_every_s = 60.0
@@ -276,7 +278,7 @@ class MetricsLog:
         if eval_only:
             return
         os.makedirs(out_dir, exist_ok=True)
-        # metrics.jsonl is rewritten at the first row (open): after the checkpoint has loaded
+        # the run's files are rewritten at the first row (open): after the checkpoint has loaded
         self.resume_step = resume_step
         resolved = {"model": model, "task": task, "chat_template": chat_template, "out_dir": out_dir, "steps":
                     steps, "tensorboard": tensorboard, "wandb": wandb, "log_completions": log_completions,
@@ -298,22 +300,20 @@ class MetricsLog:
             print(f"wandb: {self.wandb.url or self.wandb.dir}", flush=True)
 
     def open(self):
-        """metrics.jsonl, at the first row: on resume, the rows up to the checkpoint kept."""
-        path, resume_step = os.path.join(self.out_dir, "metrics.jsonl"), self.resume_step
-        kept = []
-        if resume_step and os.path.exists(path):
-            with open(path) as f:
-                for line in f:
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError:   # the torn last line of a killed run
-                        continue
-                    if row["step"] <= resume_step:
-                        kept.append(line)
-                        self.evals += [(row["eval/step"], row["eval/accuracy"])] if "eval/step" in row else []
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
+        """The run's files, at its first row: with --overwrite, the old run's checkpoints deleted; metrics.jsonl,
+        completions.jsonl and eval_completions.jsonl keep the rows up to the checkpoint resumed from (none in
+        a new run)."""
+        # at the first row, not at start-up: the checkpoint has loaded, vLLM has started and a step has
+        # trained, so a new run that stops before (a typo in --data, a model that does not load) leaves
+        # the old run whole; and before the new run's first checkpoint, which would sit beside the old's
+        if self.flags.get("overwrite") and not self.flags.get("resume"):
+            clear_run(self.out_dir)
+        # the step each file's rows belong to: a training step, or the step an evaluation scored
+        for name, key in (("completions.jsonl", "step"), ("eval_completions.jsonl", "eval/step")):
+            keep_rows(os.path.join(self.out_dir, name), key, self.resume_step)
+        path = os.path.join(self.out_dir, "metrics.jsonl")
+        kept = keep_rows(path, "step", self.resume_step)
+        self.evals += [(row["eval/step"], row["eval/accuracy"]) for row in kept if "eval/step" in row]
         self.file = open(path, "a")
 
     def save_config(self, flags):

@@ -20,8 +20,9 @@ EVAL_FLAGS = ("task", "data", "seed", "prompt_key", "answer_key", "chat_template
               "max_new_tokens", "max_prompt_len", "eval_size")
 # what each logging flag imports, and the pin the requirements files install
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard==2.21.0"), "wandb": ("wandb", "wandb==0.31.0")}
-# flags no config file sets: the launcher's, and those that say what to do with an --out-dir this once
-NOT_IN_CONFIG = ("config", "local_rank", "resume", "overwrite", "resume_with_changes")
+# flags no config file sets: the launcher's, those that say what to do with an --out-dir this once, and
+# --help, which would print the help and exit 0 where the file meant a run
+NOT_IN_CONFIG = ("config", "local_rank", "resume", "overwrite", "resume_with_changes", "help")
 
 
 def positive(text):
@@ -73,9 +74,7 @@ def config_argv(path, parser):
     except OSError as e:
         stop_with(f"--config {path}: {e.strerror}")
     except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
-        stop_with(f"--config {path}: not YAML{at}: {getattr(e, 'problem', None) or e}")
+        stop_with(f"--config {path}: not YAML{yaml_problem(e)}")
     if config is None:
         return []
     if not isinstance(config, dict):
@@ -97,6 +96,13 @@ def config_argv(path, parser):
             listed = ",".join(map(str, value)) if isinstance(value, list) else str(value)
             words += [flag, listed]
     return words
+
+
+def yaml_problem(e):
+    """A yaml.YAMLError as " (line 2, column 1): what is wrong there"."""
+    where = getattr(e, "problem_mark", None)
+    at = f" (line {where.line + 1}, column {where.column + 1})" if where else ""
+    return f"{at}: {getattr(e, 'problem', None) or e}"
 
 
 def given_flags(parser, argv):
@@ -130,23 +136,43 @@ def parse_flags(parser, argv=None):
 
 
 def checkpoint_state(folder):
-    """A checkpoint folder's grpo_state.json (its step and its run's flags), or None for any other model."""
+    """A checkpoint folder's grpo_state.json (its step and its run's flags), or None for any other model; one
+    line where it cannot be read or is not a JSON object."""
     path = os.path.join(folder, "grpo_state.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        problem = None if isinstance(state, dict) else "is not a JSON object"
+    except (OSError, ValueError, RecursionError) as e:
+        problem = f"cannot be read ({str(e)[:200]})"
+    if problem:
+        stop_with(f"--eval-only: {path} {problem}: mend it, or move it away to evaluate {folder} as any "
+                  f"model, on the flags given")
+    return state
 
 
 def run_config_of(folder):
     """The resolved flags of the run a checkpoint folder belongs to: <out-dir>/config.yaml beside it (with
-    the flags a resume may change, --eval-size among them), else those grpo_state.json keeps."""
+    the flags a resume may change, --eval-size among them), else those grpo_state.json keeps; one line where
+    config.yaml cannot be read or is not a mapping."""
     import yaml
     beside = os.path.join(os.path.dirname(os.path.abspath(folder)), "config.yaml")
-    if os.path.isfile(beside):
+    if not os.path.isfile(beside):
+        return (checkpoint_state(folder) or {}).get("config") or {}
+    try:
         with open(beside) as f:
-            return yaml.safe_load(f) or {}
-    return (checkpoint_state(folder) or {}).get("config") or {}
+            config = yaml.safe_load(f) or {}
+        problem = None if isinstance(config, dict) else ": not a mapping of flag: value"
+    except OSError as e:
+        problem = f": {e.strerror}"
+    except yaml.YAMLError as e:
+        problem = f": not YAML{yaml_problem(e)}"
+    if problem:
+        stop_with(f"--eval-only: {beside}{problem}; it holds the flags of {folder}'s run: mend it, or move it "
+                  f"away to take those its grpo_state.json keeps")
+    return config
 
 
 def evaluate_as_trained(args, given, parser):

@@ -53,7 +53,7 @@ for phase in phases.split(","):
         save_file({"logits": logits}, os.path.join(out, "logits.safetensors"))
     elif phase == "resumed":
         # before the engine loads it, as grpo_train.main does (with the flags that bound its data position)
-        state = read_state(True, out_dir=out, resume=True, prompts_per_step=4, max_gen_rounds=1)
+        state = read_state(True, out_dir=out, resume=True, steps=3, prompts_per_step=4, max_gen_rounds=1)
         load_checkpoint(engine, out, state["step"])
         assert (state["step"], state["data_pos"], state["counts"]["stale_dropped"]) == (2, 7, 0), state
     elif int(lora_rank):
@@ -187,10 +187,45 @@ def test_an_out_dir_holding_a_run_is_refused_unless_resumed_or_overwritten(tmp_p
     assert "--resume continues it, --overwrite replaces it" in line
     assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume") is None
     assert refusal(capsys, tmp_path, "--lr", "3e-4", "--eval-only") is None   # it writes eval.json only
-    # --overwrite: the old run's checkpoints go, so no stale step_10 stays beside the new run's
-    (tmp_path / "model").mkdir()
     assert refusal(capsys, tmp_path, "--overwrite") is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "model"]
+
+
+# a step's metrics, as the step line needs them
+ROW = {"reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "entropy": 1.0, "completion_len/mean": 5.0, "frac_zero_std": 0.5}
+
+
+def jsonl(path, rows, torn=False):
+    """A JSON-lines file of these rows; torn: with the half line a killed run leaves last."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + ('{"step": 4' if torn else ""))
+
+
+def steps_in(path, key="step"):
+    return [json.loads(line)[key] for line in path.read_text().splitlines()]
+
+
+def test_overwrite_deletes_the_old_run_only_at_the_new_runs_first_row(tmp_path):
+    """--overwrite deleted the old run's checkpoints as the run started, before it read its model and data: a
+    typo in the new run's --data left neither run. The old run now stays whole until the new run writes its
+    first row (its checkpoint loaded, vLLM started, a step trained); then its checkpoints go, so no stale
+    step_10 stays beside the new run's, and its metrics and completions files start empty."""
+    from checkpoints import read_state
+    from metrics import MetricsLog
+    a_run(tmp_path, "--lr", "3e-4")
+    (tmp_path / "model").mkdir()
+    jsonl(tmp_path / "completions.jsonl", [{"step": s, "completion": "old"} for s in (1, 2)])
+    jsonl(tmp_path / "eval_completions.jsonl", [{"eval/step": 0, "completion": "old"}])
+    before = sorted(p.name for p in tmp_path.iterdir())
+    argv = ("--overwrite", "--log-completions", "1")
+    read_state(True, **{**flags(*argv), "out_dir": str(tmp_path)})
+    log = MetricsLog(0, **{**flags(*argv), "out_dir": str(tmp_path)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["config.yaml"])
+    assert (tmp_path / "latest").read_text() == "step_10" and steps_in(tmp_path / "completions.jsonl") == [1, 2]
+    log.write({"step": 1, **ROW, "samples": [{"prompt": "1+1=", "completion": "new"}]})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["completions.jsonl", "config.yaml",
+                                                          "eval_completions.jsonl", "metrics.jsonl", "model"]
+    assert steps_in(tmp_path / "metrics.jsonl") == [1]
+    assert [json.loads(line)["completion"] for line in (tmp_path / "completions.jsonl").open()] == ["new"]
+    assert (tmp_path / "eval_completions.jsonl").read_text() == ""
 
 
 def test_a_resume_that_changes_the_run_says_which_flags_and_needs_consent(tmp_path, capsys):
@@ -209,6 +244,107 @@ def test_a_resume_that_changes_the_run_says_which_flags_and_needs_consent(tmp_pa
                         (["--model", "m/other"], "--model m/base; it cannot continue with --model m/other")]:
         line = refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--resume-with-changes", *argv)
         assert named in line, line
+
+
+def test_a_resume_may_change_logging_devices_servers_and_the_config_file(tmp_path, capsys):
+    """docs/checkpoints.md: a resume's logging, devices and servers may change freely. --log-every,
+    --log-completions-every, --wandb, --ref-device, --gen-urls, --gen-timeout and --reward-workers were
+    refused as changes to the run, and so was --config with the run's own config.yaml ("(was None)"). The
+    checkpoint here is one the previous version saved: its state records those flags."""
+    from metrics import MetricsLog
+    a_run(tmp_path, "--lr", "3e-4")
+    state_file = tmp_path / "step_10" / "grpo_state.json"
+    every_flag = {k: v for k, v in flags("--lr", "3e-4").items() if k not in ("out_dir", "resume")}
+    state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "config": every_flag}))
+    assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--log-every", "5", "--log-completions-every",
+                   "2", "--wandb", "--ref-device", "cpu", "--gen-urls", "http://10.0.0.2:8000", "--gen-timeout",
+                   "30", "--reward-workers", "4") is None
+    MetricsLog(0, **{**flags("--lr", "3e-4"), "out_dir": str(tmp_path)})
+    assert refusal(capsys, tmp_path, "--config", str(tmp_path / "config.yaml"), "--resume") is None
+    assert "resuming after step 10 from" in capsys.readouterr().out
+
+
+def test_a_resume_with_no_step_left_is_one_line_before_anything_starts(tmp_path, capsys):
+    """--resume --steps 10 from a checkpoint at step 10 (or past it) started vLLM and the reference server,
+    took no step and ended with status 0, saying nothing; --eval-only of it evaluates, as before."""
+    a_run(tmp_path, "--lr", "3e-4")
+    for steps in ("10", "5"):
+        line = refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--steps", steps)
+        assert line == (f"grpo_train.py: --steps {steps}: the checkpoint in {tmp_path} is at step 10 already; "
+                        f"pass a larger --steps"), line
+    assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--steps", "11") is None
+    assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--steps", "5", "--eval-only") is None
+
+
+def test_eval_only_of_a_checkpoint_whose_state_or_config_is_broken_is_one_line(tmp_path, capsys):
+    """--eval-only --model runs/x/step_10 read grpo_state.json and the run's config.yaml beside it on
+    trust: broken JSON or YAML was a traceback. Each is one line naming the file, exit status 1."""
+    from grpo_train import get_args
+    a_run(tmp_path, "--lr", "3e-4", "--task", "gsm8k")
+    state_file, config = tmp_path / "step_10" / "grpo_state.json", tmp_path / "config.yaml"
+    good = state_file.read_text()
+    for state, yaml_text, said in [('{"step": 10, ', None, f"{state_file} cannot be read (Expecting"),
+                                   ("[10]", None, f"{state_file} is not a JSON object: mend it, or move it away"),
+                                   (good, "task: [gsm8k\n", f"{config}: not YAML (line 2, column 1): expected"),
+                                   (good, "- gsm8k\n", f"{config}: not a mapping of flag: value; it holds the "
+                                                       f"flags of {tmp_path / 'step_10'}'s run")]:
+        state_file.write_text(state)
+        if yaml_text is not None:
+            config.write_text(yaml_text)
+        with pytest.raises(SystemExit) as stop:
+            get_args(["--model", str(tmp_path / "step_10"), "--eval-only"])
+        (line,) = capsys.readouterr().err.splitlines()
+        assert stop.value.code == 1 and line.startswith(f"grpo_train.py: --eval-only: {said}"), line
+    config.unlink()
+    args = get_args(["--model", str(tmp_path / "step_10"), "--eval-only"])
+    assert (args.eval_step, args.task) == (10, "gsm8k")
+
+
+LACKING = r"""
+import os, shutil, sys
+base, out, port = sys.argv[1:]
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+import deepspeed
+from checkpoints import load_checkpoint, save_checkpoint
+from run_setup import build_engine, load_policy, skip_shm_allreduce_op
+
+skip_shm_allreduce_op()
+deepspeed.init_distributed()
+model, tok = load_policy(base, grad_ckpt=False)
+engine = build_engine(model, "ds_config.json", lr=1e-2, micro_batch=4)
+save_checkpoint(engine, tok, out, {"step": 2, "ref": None}, keep=0)
+folder = os.path.join(out, "step_2")
+# each of DeepSpeed's files away in turn, as a user saving space would delete it
+for name in sorted(n for n in os.listdir(folder) if n.endswith(".pt")):
+    shutil.move(os.path.join(folder, name), out)
+    try:
+        load_checkpoint(engine, out, 2)
+    except SystemExit as e:
+        print("probe: exit", e.code, flush=True)
+    shutil.move(os.path.join(out, name), folder)
+load_checkpoint(engine, out, 2)
+print("probe: loaded", flush=True)
+"""
+
+
+def test_a_checkpoint_lacking_deepspeeds_files_stops_the_resume_in_one_line(tmp_path, tiny_model):
+    """A step folder without DeepSpeed's model file or its optimizer shard (deleted to save space) ended
+    --resume in a traceback (an AssertionError without a message, a FileNotFoundError). Each is one line
+    naming the folder and the file, exit status 1, before the run writes anything (metrics.jsonl stays)."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    p = subprocess.run([sys.executable, "-c", LACKING, tiny_model, str(tmp_path), str(next_port())], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    folder = tmp_path / "step_2"
+    files = sorted(f.name for f in folder.glob("*.pt"))
+    assert files == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], files
+    said = [line for line in p.stderr.splitlines() if line.startswith("grpo_train.py")]
+    assert said == [f"grpo_train.py: --resume: {folder} has no {name}, which DeepSpeed reads to resume: resume "
+                    f"from another checkpoint (write its name into {tmp_path}/latest), or start a new run from "
+                    f"its weights (--model {folder}) in another --out-dir" for name in files], p.stderr[-3000:]
+    probed = [line for line in p.stdout.splitlines() if line.startswith("probe: ")]
+    assert "Traceback" not in p.stderr and probed == ["probe: exit 1"] * 2 + ["probe: loaded"], p.stdout
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
 def test_the_summary_line_and_completions_file(tmp_path, capsys):
@@ -261,24 +397,31 @@ def test_a_state_that_is_not_its_checkpoints_stops_the_resume_in_one_line_touchi
     assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume") is None
 
 
-def test_metrics_are_rewritten_only_once_the_checkpoint_has_loaded(tmp_path):
-    """On resume, metrics.jsonl keeps the rows up to the checkpoint: the rewrite waits for the first row,
-    which a run writes after its checkpoint has loaded (a checkpoint that fails to load leaves them all)."""
+def test_metrics_and_completions_are_cut_to_the_checkpoint_only_once_it_has_loaded(tmp_path):
+    """On resume from step 10, metrics.jsonl, completions.jsonl and eval_completions.jsonl keep the rows up
+    to step 10 (the completions files kept the later steps too, which the resumed run then wrote twice), and
+    drop the torn line a killed run left last: the rewrite waits for the first row, which a run writes after
+    its checkpoint has loaded (a checkpoint that fails to load leaves them all)."""
     from metrics import MetricsLog
-    rows = "".join(json.dumps({"step": s}) + "\n" for s in range(1, 42))
-    (tmp_path / "metrics.jsonl").write_text(rows)
-    log = MetricsLog(10, **{**flags("--steps", "20"), "out_dir": str(tmp_path)})
-    assert (tmp_path / "metrics.jsonl").read_text() == rows
-    log.write({"step": 11, "reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "entropy": 1.0, "completion_len/mean": 5.0,
-               "frac_zero_std": 0.5})
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 12))
+    jsonl(tmp_path / "metrics.jsonl", [{"step": s} for s in range(1, 42)], torn=True)
+    jsonl(tmp_path / "completions.jsonl", [{"step": s} for s in range(1, 42)], torn=True)
+    # an evaluation's rows name the step it scored
+    jsonl(tmp_path / "eval_completions.jsonl", [{"eval/step": s} for s in range(0, 42, 5)], torn=True)
+    files = ("metrics.jsonl", "completions.jsonl", "eval_completions.jsonl")
+    before = [(tmp_path / name).read_text() for name in files]
+    log = MetricsLog(10, **{**flags("--steps", "20", "--log-completions", "1"), "out_dir": str(tmp_path)})
+    assert [(tmp_path / name).read_text() for name in files] == before
+    log.write({"step": 11, **ROW, "samples": [{"prompt": "1+1=", "completion": "2"}]})
+    assert steps_in(tmp_path / "metrics.jsonl") == list(range(1, 12))
+    assert steps_in(tmp_path / "completions.jsonl") == list(range(1, 12))
+    assert steps_in(tmp_path / "eval_completions.jsonl", "eval/step") == [0, 5, 10]
 
 
-def test_a_symlinked_step_folder_is_removed_never_followed(tmp_path, capsys):
+def test_a_symlinked_step_folder_is_removed_never_followed(tmp_path):
     """Pruning and --overwrite met a step_N (or step_N.tmp) that is a symlink: a traceback (rmtree refuses
     links). The link is removed now, and what it points to stays whole."""
     from checkpoints import prune_checkpoints
+    from metrics import MetricsLog
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "keep.txt").write_text("keep")
@@ -292,8 +435,8 @@ def test_a_symlinked_step_folder_is_removed_never_followed(tmp_path, capsys):
     a_run(again, "--lr", "3e-4")
     (again / "step_5").symlink_to(outside)
     (again / "step_11.tmp").symlink_to(outside)
-    assert refusal(capsys, again, "--overwrite") is None
-    assert sorted(p.name for p in again.iterdir()) == ["metrics.jsonl"]
+    MetricsLog(0, **{**flags("--overwrite"), "out_dir": str(again)}).write({"step": 1, **ROW})
+    assert sorted(p.name for p in again.iterdir()) == ["config.yaml", "metrics.jsonl"]
     assert (outside / "keep.txt").read_text() == "keep"
 
 

@@ -115,7 +115,7 @@ def test_killed_generation_process_stops_the_run_quickly_with_no_orphans(tmp_pat
     from checkpoints import read_state
     (tmp_path.parent / f"{tmp_path.name}-link").symlink_to(tmp_path)
     with pytest.raises(SystemExit):
-        read_state(True, out_dir=f"{tmp_path}-link", resume=False, overwrite=True)
+        read_state(True, out_dir=f"{tmp_path}-link", resume=False, steps=100000, overwrite=True)
     assert capsys.readouterr().err == (f"grpo_train.py: --out-dir {tmp_path}-link is in use by another run (pid "
                                        f"{rank_0.pid}): wait for it to end, or pass another --out-dir\n")
     t0 = time.time()
@@ -648,13 +648,15 @@ def test_a_trainer_killed_before_its_first_push_leaves_no_engine(tmp_path, tiny_
 
 
 def test_mistakes_of_the_config_file_and_the_logging_flags_are_one_line(tmp_path, capsys, monkeypatch):
-    """--config: an unknown key, a file that is not YAML, a switch given a word; --beta 0 with a --ref-url
-    that it would ignore; --wandb or --tensorboard without their package (refused before anything starts,
-    naming what to install); an empty data file. Each: one line, exit status 1."""
+    """--config: an unknown key (help among them: it printed the help and exited 0), a file that is not
+    YAML, a switch given a word; --beta 0 with a --ref-url that it would ignore; --wandb or --tensorboard
+    without their package (refused before anything starts, naming what to install); an empty data file.
+    Each: one line, exit status 1."""
     from grpo_train import get_args
     from run_setup import load_prompts
     from demo.tiny_model import build_tokenizer
     (tmp_path / "typo.yaml").write_text("model: m/m\nlearning_rate: 1e-6\n")
+    (tmp_path / "help.yaml").write_text("model: m/m\nhelp: true\n")
     (tmp_path / "broken.yaml").write_text("model: [m/m\n")
     (tmp_path / "switch.yaml").write_text("model: m/m\ngrad_ckpt: yes please\n")
     (tmp_path / "empty.jsonl").write_text("")
@@ -662,6 +664,7 @@ def test_mistakes_of_the_config_file_and_the_logging_flags_are_one_line(tmp_path
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     cases = [(["--config", str(tmp_path / "typo.yaml")], "--config .*typo.yaml: unknown key 'learning_rate' "
               r"\(the keys are the flags' names: --help lists them"),
+             (["--config", str(tmp_path / "help.yaml")], "--config .*help.yaml: unknown key 'help'"),
              (["--config", str(tmp_path / "broken.yaml")], r"--config .*broken.yaml: not YAML \(line 2, column 1\)"),
              (["--config", str(tmp_path / "switch.yaml")], "--config .*switch.yaml: grad_ckpt: true or false"),
              (["--model", "m/m", "--beta", "0", "--ref-url", "http://127.0.0.1:9"],
