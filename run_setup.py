@@ -417,14 +417,18 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
                 f"and never trained on{folded})")
     train_set, too_long = drop_long_prompts(train_all, tok, max_prompt_len)
     eval_set = drop_long_prompts(test, tok, max_prompt_len)[0][:eval_size]
-    if not train_set:
-        lengths = [len(tok(s["prompt"], add_special_tokens=False)["input_ids"]) for s in train_all]
+    # a run evaluates at its start and end whatever --eval-every: an empty held-out set would score 0
+    for kept, rows, purpose, which in ((train_set, train_all, "train on", ""),
+                                       (eval_set, test, "evaluate", "held-out prompts ")):
+        if kept:
+            continue
+        lengths = [len(tok(s["prompt"], add_special_tokens=False)["input_ids"]) for s in rows]
         # the usual cause: a chat template's system prompt and turn markers around short prompts
         templated = chat_template == "auto" and getattr(tok, "chat_template", None) and task != "demo"
         why = " with the chat template; --chat-template none: the prompts as they are" if templated else ""
-        stop_with(f"{source}: no prompt to train on: " + (
-            f"all {len(lengths)} are longer than --max-prompt-len {max_prompt_len} tokens (the shortest has "
-            f"{min(lengths)}{why})" if lengths else "no records"))
+        stop_with(f"{source}: no prompt to {purpose}: " + (
+            f"all {len(lengths)} {which}are longer than --max-prompt-len {max_prompt_len} tokens (the "
+            f"shortest has {min(lengths)}{why})" if lengths else "no records"))
     if first_rank():
         training = "" if eval_only else (f"{len(train_set)} prompts to train on ({too_long} longer than "
                                          f"--max-prompt-len skipped), ")

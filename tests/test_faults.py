@@ -521,6 +521,25 @@ def test_long_prompts_are_skipped_and_a_task_with_none_left_is_refused(capsys):
         "shortest has 5)" in capsys.readouterr().err
 
 
+def test_a_held_out_split_with_no_prompt_short_enough_is_refused(tmp_path, capsys):
+    """Every run evaluates at its start and end: with no held-out prompt left it would report an
+    accuracy of 0.000 it never measured."""
+    from demo.tiny_model import build_tokenizer
+    from run_setup import load_prompts
+    (tmp_path / "qa_train.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    (tmp_path / "qa_test.jsonl").write_text("".join(json.dumps({"prompt": q, "answer": "4"}) + "\n"
+                                                    for q in ("what is 2+2?", "and 1+3?")))
+    kw = dict(task="custom", data=str(tmp_path / "qa_train.jsonl"), seed=0, eval_size=200, prompt_key="prompt",
+              answer_key="answer", chat_template="none")
+    train, held_out, _ = load_prompts(build_tokenizer(), max_prompt_len=8, **kw)
+    assert (len(train), len(held_out)) == (1, 1)
+    with pytest.raises(SystemExit) as e:
+        load_prompts(build_tokenizer(), max_prompt_len=7, **kw)
+    assert e.value.code == 1 and capsys.readouterr().err == (
+        f"grpo_train.py: --task custom --data {tmp_path / 'qa_train.jsonl'}: no prompt to evaluate: all 2 held-out "
+        f"prompts are longer than --max-prompt-len 7 tokens (the shortest has 8)\n")
+
+
 def test_buckets_are_consecutive_one_dtype_and_bounded():
     import torch
     from weight_transfer import buckets
