@@ -3,8 +3,12 @@ steps (bottom axis) and time (top axis). Every run draws <out-dir>/metrics.png a
 end (metrics.MetricsLog); this draws it again, or another run's:
 
     python plot.py runs/demo/metrics.jsonl runs/demo/curve.png
+
+A killed run's torn last line is left out; a metrics file or an output folder that is not there, an output
+name matplotlib writes no image for (curve.txt), or a line before the last that is not JSON: one line.
 """
 import json
+import os
 import sys
 
 # (panel title, [(key, label, style)]): one panel each
@@ -17,9 +21,22 @@ PANELS = [
 ]
 
 
+class BadLine(ValueError):
+    """A line of a metrics file that is not JSON, and not the last (which a killed run can leave torn)."""
+
+
 def read_metrics(path):
+    """A run's metrics.jsonl, a dict a line, less a torn last line."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for n, line in lines:
+        try:
+            rows.append(json.loads(line.rstrip("\n")))
+        except json.JSONDecodeError as e:
+            if n != lines[-1][0]:
+                raise BadLine(f"{path}:{n}: not a JSON line ({e.msg}, column {e.colno})") from None
+    return rows
 
 
 def step_lines(path):
@@ -69,7 +86,24 @@ def plot_metrics(metrics_jsonl_path, out_png, title="GRPO"):
     return out_png
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 3:
+def main(argv):
+    """The command line: the image's path, or one line naming what is wrong and exit status 1."""
+    if len(argv) != 2:
         sys.exit("usage: python plot.py METRICS_JSONL OUT_PNG")
-    print(plot_metrics(sys.argv[1], sys.argv[2]))
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    # said before the metrics are read: matplotlib would say it only once the figure is drawn
+    formats = sorted(FigureCanvasAgg.get_supported_filetypes())
+    extension = os.path.splitext(argv[1])[1][1:].lower()
+    if extension and extension not in formats:
+        sys.exit(f"plot.py: {argv[1]}: no image format is named .{extension}: end the name with one of "
+                 f"{', '.join('.' + f for f in formats)}")
+    try:
+        print(plot_metrics(*argv))
+    except OSError as e:
+        sys.exit(f"plot.py: {e.filename}: {e.strerror}")
+    except BadLine as e:
+        sys.exit(f"plot.py: {e}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

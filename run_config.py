@@ -1,7 +1,8 @@
 """A run's configuration: the command line, a --config YAML file under it (the command line wins, as TRL's
 --config), the flags that need each other or a package, and what a checkpoint's --eval-only evaluates.
 grpo_train.get_args uses it; each run saves the resolved flags as <out-dir>/config.yaml (metrics.py), which
---config takes back to repeat the run. A mistake is one line naming the flag, file or key (stop_with)."""
+--config takes back to repeat the run; and the words run_setup.check_config says of a flag out of its range
+or a --ds-config file that is not JSON. A mistake is one line naming the flag, file or key (stop_with)."""
 import argparse
 import contextlib
 import importlib.util
@@ -32,10 +33,35 @@ def positive(text):
     return int(text)
 
 
+def out_of_range(within, **flags):
+    """The flags whose value is not `within`, as the command line names them: "--lr, --dist-timeout"."""
+    return ", ".join(f"--{name.replace('_', '-')}" for name, value in flags.items() if not within(value))
+
+
+def ds_config_error(path):
+    """--ds-config's mistake in one line (no such file, not JSON, not a JSON object), or None."""
+    if not os.path.isfile(path):
+        return f"--ds-config {path}: no such file"
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except OSError as e:
+        return f"--ds-config {path}: {e.strerror}"
+    except ValueError as e:
+        # json's error names the line and column; a file that is not text, the byte
+        where = f"{e.msg}, line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else e
+        return f"--ds-config {path}: not JSON ({where})"
+    if not isinstance(config, dict):
+        return f"--ds-config {path}: a JSON object of DeepSpeed's settings is expected, not a " \
+               f"{type(config).__name__}"
+    return None
+
+
 def add_run_args(p):
     """The flags of evaluation, logging, checkpoints, and --config (run_setup.add_system_args adds them)."""
     g = p.add_argument_group("evaluation, logging and checkpoints")
-    g.add_argument("--eval-every", type=int, default=0, help="held-out eval every N steps (and first, last)")
+    g.add_argument("--eval-every", type=int, default=0,
+                   help="held-out eval every N steps, a multiple of --sync-every (and first, last)")
     g.add_argument("--eval-size", type=int, default=DEFAULT_EVAL_SIZE,
                    help="held-out samples per evaluation (held out of --data when it has no test split; the "
                         "default 200 holds out a fifth of a file of fewer than 1000 prompts)")

@@ -25,7 +25,8 @@ from placement import (REF_GEN_MEM, SHARED_GEN_MEM, first_rank, free_port, maste
                        reference_beside_engine, reference_device, stop_with, training_gpus)
 from rewards import parse_reward_spec
 # grpo_train.get_args parses its flags with run_config.parse_flags (--config, one-line checks)
-from run_config import DEFAULT_EVAL_SIZE, add_run_args, parse_flags  # noqa: F401
+from run_config import (DEFAULT_EVAL_SIZE, add_run_args, ds_config_error, out_of_range,  # noqa: F401
+                        parse_flags)
 from ref_client import server_urls, url_error
 from ref_server import default_dtype, missing_folder
 from tasks import DataError, drop_long_prompts, load_task
@@ -176,7 +177,8 @@ def skip_shm_allreduce_op():
 def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_batch, steps, num_iterations,
                  max_gen_rounds, max_skips, temperature, is_min, is_max, overlong_buffer, max_new_tokens,
                  ref_sync_every, beta, max_staleness, keep_checkpoints, eval_size, ds_config, gen_device,
-                 gen_devices, ref_url, ref_device, lora_rank, lora_alpha, gen_mem, off_policy_mask,
+                 gen_devices, ref_url, ref_device, lora_rank, lora_alpha, gen_mem, off_policy_mask, lr, eps_low,
+                 eps_high, std_floor, sync_tol, ref_wait, dist_timeout, gen_kv_gb, sync_every, eval_every,
                  eval_only=False, gen_urls=None, gen_timeout=600.0, max_prompt_len=512, **more):
     """Exits with one message naming every flag that is wrong, before anything is loaded or started;
     if none is, rank 0 prints the run in one line: the model, where training and vLLM run,
@@ -193,20 +195,35 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
               and set(gen_devices or [gen_device]) & set(training_gpus(world)))
     beside_ref = reference_beside_engine(ref_device, gen_devices or [gen_device],
                                          beta > 0 and not ref_url and not eval_only)
+    # the flags out of their range, named: those given wrong, not the whole group
+    below_1 = out_of_range(lambda v: v >= 1, micro_batch=micro_batch, prompts_per_step=prompts_per_step,
+                           steps=steps, num_iterations=num_iterations, max_gen_rounds=max_gen_rounds,
+                           max_skips=max_skips, eval_size=eval_size, max_new_tokens=max_new_tokens,
+                           gen_kv_gb=gen_kv_gb)
+    negative = out_of_range(lambda v: v >= 0, max_staleness=max_staleness, keep_checkpoints=keep_checkpoints,
+                            beta=beta, eps_low=eps_low, eps_high=eps_high, std_floor=std_floor,
+                            sync_tol=sync_tol, ref_wait=ref_wait, gen_device=gen_device)
+    not_positive = out_of_range(lambda v: v > 0, lr=lr, dist_timeout=dist_timeout, gen_timeout=gen_timeout)
+    # an evaluation comes with a weight push (grpo_train.main), so one between pushes would never run
+    evals_skipped = eval_every > 0 and eval_every % sync_every and not eval_only
+    bad_ds_config = ds_config_error(ds_config)
     problems = [msg for bad, msg in [
         (group_size < 2, "--group-size must be >= 2: advantages compare the completions of one prompt"),
         (prompts_per_step * group_size < world,
          f"--prompts-per-step x --group-size must be >= the number of training ranks ({world})"),
-        (min(micro_batch, prompts_per_step, steps, num_iterations, max_gen_rounds, max_skips, eval_size) < 1,
-         "--micro-batch, --prompts-per-step, --steps, --num-iterations, --max-gen-rounds, --max-skips and "
-         "--eval-size must be >= 1"),
-        (min(max_staleness, keep_checkpoints) < 0, "--max-staleness and --keep-checkpoints must be >= 0"),
+        (below_1, f"{below_1} must be >= 1"),
+        (negative, f"{negative} must be >= 0"),
+        (not_positive, f"{not_positive} must be > 0"),
+        (evals_skipped, f"--eval-every {eval_every}: evaluations come with the weight pushes, every --sync-every "
+                        f"{sync_every} steps: give a multiple of {sync_every} ({sync_every}, {2 * sync_every}, "
+                        f"...)"),
         (temperature < 1e-3, "--temperature must be >= 0.001 (the log-probs are taken at it)"),
         (not 0 <= is_min < is_max, "--is-min must be >= 0 and below --is-max"),
         (off_policy_mask is not None and off_policy_mask < 0, "--off-policy-mask must be >= 0"),
         (lora_rank < 0 or (lora_alpha is not None and lora_alpha <= 0),
          "--lora-rank must be >= 0 and --lora-alpha > 0"),
-        (not 0 <= overlong_buffer < max_new_tokens, "--overlong-buffer must be in [0, --max-new-tokens)"),
+        (max_new_tokens >= 1 and not 0 <= overlong_buffer < max_new_tokens,
+         "--overlong-buffer must be in [0, --max-new-tokens)"),
         (ref_sync_every and beta == 0, "--ref-sync-every needs a reference model (--beta > 0)"),
         (gen_devices and prompts_per_step < len(gen_devices),
          "--prompts-per-step must be >= the number of --gen-devices: each engine samples a share"),
@@ -216,7 +233,6 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
                                          "hand, or rank 0's own, not both"),
         (prompts_per_step < len(gen_servers),
          "--prompts-per-step must be >= the number of --gen-urls: each server samples a share"),
-        (gen_timeout <= 0, "--gen-timeout must be > 0"),
         (gen_servers and torch.cuda.is_available() and beta > 0 and not ref_url and ref_device is None,
          "--gen-urls on GPUs: say where rank 0 starts the reference server (--ref-device: a GPU no rank "
          "trains on, or cpu), or name one (--ref-url)"),
@@ -231,7 +247,7 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
          f"or give the server a GPU of its own: --ref-device)"),
         (gen_mem is not None and not 0 < gen_mem <= 1, "--gen-mem must be in (0, 1]"),
         (bad_model, bad_model),
-        (not os.path.isfile(ds_config), f"--ds-config {ds_config}: no such file"),
+        (bad_ds_config, bad_ds_config),
         (bad_rewards, bad_rewards),
     ] if bad]
     if problems:
@@ -258,9 +274,10 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         started = f"reference server started by rank 0 on {reference_device(ref_device, engines)}"
         reference = ("no reference (--beta 0)" if beta == 0 else f"{started} (--beta {beta})" if not servers
                      else f"reference server{'s' * (len(servers) > 1)} {', '.join(servers)} (--beta {beta})")
-        variant = describe_variant(lora_rank=lora_rank, is_min=is_min, is_max=is_max,
-                                   off_policy_mask=off_policy_mask, num_iterations=num_iterations,
-                                   max_gen_rounds=max_gen_rounds, overlong_buffer=overlong_buffer, ref_sync_every=ref_sync_every, **more)
+        variant = describe_variant(lora_rank=lora_rank, is_min=is_min, is_max=is_max, eps_low=eps_low,
+                                   eps_high=eps_high, off_policy_mask=off_policy_mask,
+                                   num_iterations=num_iterations, max_gen_rounds=max_gen_rounds,
+                                   overlong_buffer=overlong_buffer, ref_sync_every=ref_sync_every, **more)
         print(f"grpo_train.py: model {model}; {world} training rank{'s' * (world > 1)} on {on} (DeepSpeed, "
               f"{ds_config}); {vllm}; {reference}; {variant}", flush=True)
 
@@ -400,14 +417,18 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
                 f"and never trained on{folded})")
     train_set, too_long = drop_long_prompts(train_all, tok, max_prompt_len)
     eval_set = drop_long_prompts(test, tok, max_prompt_len)[0][:eval_size]
-    if not train_set:
-        lengths = [len(tok(s["prompt"], add_special_tokens=False)["input_ids"]) for s in train_all]
+    # a run evaluates at its start and end whatever --eval-every: an empty held-out set would score 0
+    for kept, rows, purpose, which in ((train_set, train_all, "train on", ""),
+                                       (eval_set, test, "evaluate", "held-out prompts ")):
+        if kept:
+            continue
+        lengths = [len(tok(s["prompt"], add_special_tokens=False)["input_ids"]) for s in rows]
         # the usual cause: a chat template's system prompt and turn markers around short prompts
         templated = chat_template == "auto" and getattr(tok, "chat_template", None) and task != "demo"
         why = " with the chat template; --chat-template none: the prompts as they are" if templated else ""
-        stop_with(f"{source}: no prompt to train on: " + (
-            f"all {len(lengths)} are longer than --max-prompt-len {max_prompt_len} tokens (the shortest has "
-            f"{min(lengths)}{why})" if lengths else "no records"))
+        stop_with(f"{source}: no prompt to {purpose}: " + (
+            f"all {len(lengths)} {which}are longer than --max-prompt-len {max_prompt_len} tokens (the "
+            f"shortest has {min(lengths)}{why})" if lengths else "no records"))
     if first_rank():
         training = "" if eval_only else (f"{len(train_set)} prompts to train on ({too_long} longer than "
                                          f"--max-prompt-len skipped), ")

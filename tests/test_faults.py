@@ -446,6 +446,65 @@ def test_check_config_names_every_bad_flag(capsys):
                         r"\(--help lists the flags\)\n", err), err
 
 
+# a value out of its flag's range -> the one line that refuses it, before anything loads or starts
+OUT_OF_RANGE = [
+    (["--beta", "-0.04"], "--beta must be >= 0"),
+    (["--lr", "0"], "--lr must be > 0"),
+    (["--eps-low", "-0.2"], "--eps-low must be >= 0"),
+    (["--eps-high", "-0.2"], "--eps-high must be >= 0"),
+    (["--std-floor", "-1"], "--std-floor must be >= 0"),
+    (["--sync-tol", "-0.1"], "--sync-tol must be >= 0"),
+    (["--ref-wait", "-1"], "--ref-wait must be >= 0"),
+    (["--dist-timeout", "0"], "--dist-timeout must be > 0"),
+    (["--gen-device", "-1"], "--gen-device must be >= 0"),
+    (["--gen-kv-gb", "0"], "--gen-kv-gb must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--beta", "-1", "--lr", "-1", "--eps-high", "-1"], "--beta, --eps-high must be >= 0; --lr must be > 0"),
+    (["--steps", "6", "--sync-every", "2", "--eval-every", "3"],
+     "--eval-every 3: evaluations come with the weight pushes, every --sync-every 2 steps: give a multiple "
+     "of 2 (2, 4, ...)"),
+]
+
+
+@pytest.mark.parametrize("flags, said", OUT_OF_RANGE, ids=[" ".join(f) for f, _ in OUT_OF_RANGE])
+def test_a_value_out_of_its_flags_range_is_one_line(flags, said, capsys):
+    from grpo_train import get_args
+    from run_setup import check_config
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        check_config(1, **vars(get_args(["--model", "m/m", *flags])))
+    assert e.value.code == 1 and capsys.readouterr().err == f"grpo_train.py: {said}\n"
+
+
+def test_the_edges_of_each_flags_range_pass(capsys):
+    """0 where 0 means something (no reference, no clip, no wait, no tolerance), and an --eval-every that
+    falls on weight pushes (or one --eval-only never uses)."""
+    from grpo_train import get_args
+    from run_setup import check_config
+    for flags in (["--beta", "0", "--eps-low", "0", "--eps-high", "0", "--std-floor", "0", "--sync-tol", "0",
+                   "--ref-wait", "0", "--gen-kv-gb", "1", "--max-new-tokens", "1"],
+                  ["--sync-every", "2", "--eval-every", "4"], ["--sync-every", "3", "--eval-every", "0"],
+                  ["--sync-every", "2", "--eval-every", "3", "--eval-only"]):
+        check_config(1, **vars(get_args(["--model", "m/m", *flags])))
+        assert "grpo_train.py: " in capsys.readouterr().out, flags
+
+
+def test_a_ds_config_that_is_not_a_json_object_is_one_line(tmp_path, capsys):
+    """Said before vLLM starts, where DeepSpeed reads it after: a JSONDecodeError's traceback."""
+    from grpo_train import get_args
+    from run_setup import check_config
+    (tmp_path / "comma.json").write_text('{\n  "zero_optimization": {"stage": 2},\n}\n')
+    (tmp_path / "list.json").write_text("[1, 2]\n")
+    for name, said in (("comma.json", "not JSON (Expecting property name enclosed in double quotes, line 3, "
+                                      "column 1)"),
+                       ("list.json", "a JSON object of DeepSpeed's settings is expected, not a list"),
+                       ("none.json", "no such file")):
+        with pytest.raises(SystemExit) as e:
+            check_config(1, **vars(get_args(["--model", "m/m", "--ds-config", str(tmp_path / name)])))
+        err = capsys.readouterr().err
+        assert e.value.code == 1 and err == f"grpo_train.py: --ds-config {tmp_path / name}: {said}\n", err
+
+
 def test_long_prompts_are_skipped_and_a_task_with_none_left_is_refused(capsys):
     from demo.tiny_model import build_tokenizer
     from run_setup import load_prompts
@@ -460,6 +519,25 @@ def test_long_prompts_are_skipped_and_a_task_with_none_left_is_refused(capsys):
         load_prompts(tok, max_prompt_len=4, **kw)
     assert "--task demo: no prompt to train on: all 360 are longer than --max-prompt-len 4 tokens (the " \
         "shortest has 5)" in capsys.readouterr().err
+
+
+def test_a_held_out_split_with_no_prompt_short_enough_is_refused(tmp_path, capsys):
+    """Every run evaluates at its start and end: with no held-out prompt left it would report an
+    accuracy of 0.000 it never measured."""
+    from demo.tiny_model import build_tokenizer
+    from run_setup import load_prompts
+    (tmp_path / "qa_train.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    (tmp_path / "qa_test.jsonl").write_text("".join(json.dumps({"prompt": q, "answer": "4"}) + "\n"
+                                                    for q in ("what is 2+2?", "and 1+3?")))
+    kw = dict(task="custom", data=str(tmp_path / "qa_train.jsonl"), seed=0, eval_size=200, prompt_key="prompt",
+              answer_key="answer", chat_template="none")
+    train, held_out, _ = load_prompts(build_tokenizer(), max_prompt_len=8, **kw)
+    assert (len(train), len(held_out)) == (1, 1)
+    with pytest.raises(SystemExit) as e:
+        load_prompts(build_tokenizer(), max_prompt_len=7, **kw)
+    assert e.value.code == 1 and capsys.readouterr().err == (
+        f"grpo_train.py: --task custom --data {tmp_path / 'qa_train.jsonl'}: no prompt to evaluate: all 2 held-out "
+        f"prompts are longer than --max-prompt-len 7 tokens (the shortest has 8)\n")
 
 
 def test_buckets_are_consecutive_one_dtype_and_bounded():

@@ -2,6 +2,7 @@
 the closing line, the completions files and the saved config."""
 import io
 import json
+import os
 import re
 import struct
 
@@ -231,6 +232,38 @@ def test_the_plot_at_most_once_a_minute_during_a_run(tmp_path):
     plot.unlink()
     log.close(4)
     assert plot.stat().st_size > 10_000
+
+
+def test_plotting_a_killed_runs_metrics_and_the_mistakes_of_plot_py(tmp_path):
+    """python plot.py METRICS OUT: a killed run's torn last line is left out of the plot; a metrics file
+    that is not there, an output name no image format has, and a line before the last that is not JSON are
+    one line each and exit status 1."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    row = {"reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "entropy": 1.0, "completion_len/mean": 5.0}
+    steps = "".join(json.dumps({"step": s, **row}) + "\n" for s in (1, 2, 3))
+    (tmp_path / "killed.jsonl").write_text(steps + '{"step": 4, "rew')
+    (tmp_path / "middle.jsonl").write_text(steps + '{"step": 4, "rew\n' + json.dumps({"step": 5, **row}) + "\n")
+
+    def plot(*argv):
+        p = subprocess.run([sys.executable, "plot.py", *map(str, argv)], cwd=root, capture_output=True, text=True,
+                           timeout=120)
+        return p.returncode, p.stdout, p.stderr
+
+    from plot import read_metrics
+    assert [r["step"] for r in read_metrics(tmp_path / "killed.jsonl")] == [1, 2, 3]
+    assert plot(tmp_path / "killed.jsonl", tmp_path / "killed.png") == (0, f"{tmp_path / 'killed.png'}\n", "")
+    assert (tmp_path / "killed.png").stat().st_size > 10_000
+    for argv, said in (((tmp_path / "none.jsonl", tmp_path / "x.png"), f"{tmp_path / 'none.jsonl'}: No such file "
+                        "or directory"),
+                       ((tmp_path / "killed.jsonl", tmp_path / "x.txt"), f"{tmp_path / 'x.txt'}: no image format "
+                        "is named .txt: end the name with one of "),
+                       ((tmp_path / "middle.jsonl", tmp_path / "x.png"), f"{tmp_path / 'middle.jsonl'}:4: not a "
+                        "JSON line (Unterminated string starting at, column 13)")):
+        rc, out, err = plot(*argv)
+        assert rc == 1 and out == "" and err.startswith(f"plot.py: {said}") and err.count("\n") == 1, err
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_a_config_file_under_the_command_line(tmp_path, capsys):
