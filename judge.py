@@ -111,7 +111,8 @@ def numeric_sum(items, start=0):
 
 def bounded_range(*args):
     items = range(*args)
-    if len(items) > RANGE_ITEMS:
+    # what lies past the first RANGE_ITEMS items, not len(), which raises OverflowError past sys.maxsize
+    if items[RANGE_ITEMS:]:
         too_big(f"a range of more than {RANGE_ITEMS} items")
     return items
 

@@ -145,6 +145,7 @@ def refused_fast(expression, values):
     ("n() * n() > 0", [1 << (judge.INT_BITS // 2 + 8)] * 2),
     ("pow(3, e(), m()) > 0", [1 << 2000, 1 << 2000]),
     ("list(range(n())) == []", [10 ** 9]),
+    ("len(range(n())) > 0", [10 ** 20]),   # more items than len() can count
     ("sum(range(n())) == 0", [10 ** 12]),
     ("('-' * 1000).join(f()) == ''", [["a"] * 50_000]),
     ("'x'.center(n()) == ''", [10 ** 9]),
@@ -224,5 +225,8 @@ def test_an_endless_generator_has_no_value():
     with pytest.raises(ValueError):
         PLAIN["_plain"](itertools.count(), judge.MAX_NODES)
     assert through_the_jail(range(10 ** 6, 10 ** 6 + 3)) == range(10 ** 6, 10 ** 6 + 3)
-    with pytest.raises(ValueError, match="too big"):   # a range the trainer would not build itself
-        through_the_jail(range(10 ** 9))
+    # a range the trainer would not build itself, and one with more items than len() can count
+    for huge in (range(10 ** 9), range(10 ** 20), range(-10 ** 20, 10 ** 20, 7)):
+        with pytest.raises(ValueError, match="too big"):
+            through_the_jail(huge)
+    assert through_the_jail(range(10 ** 20, 0, -10 ** 16)) == range(10 ** 20, 0, -10 ** 16)
