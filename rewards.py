@@ -37,10 +37,16 @@ _REPORTED = set()   # reward names whose first failure has been shown
 
 
 def last_answer(completion: str) -> str | None:
-    """Content of the last <answer>...</answer> (innermost if they nest), or None."""
-    end = completion.rfind("</answer>")
-    start = completion.rfind("<answer>", 0, max(end, 0))
-    return None if end < 0 or start < 0 else completion[start + len("<answer>"):end]
+    """Content of the last well-formed <answer>...</answer>, or None: an <answer> and the first </answer>
+    after it, with no answer tag between them. So the innermost where they nest
+    ("<answer>x<answer>42</answer>y</answer>" -> "42"), and a stray </answer> after the pair closes nothing
+    ("<answer>41</answer> wait, no: 42</answer>" -> "41"): text outside the tags is never the answer."""
+    # the last <answer> before the last </answer>: every <answer> after it has no </answer> to close it
+    start = completion.rfind("<answer>", 0, max(completion.rfind("</answer>"), 0))
+    if start < 0:
+        return None
+    start += len("<answer>")
+    return completion[start:completion.find("</answer>", start)]
 
 
 def format_reward(completion, sample):
