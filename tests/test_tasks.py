@@ -185,6 +185,20 @@ def test_countdown_checker_refuses_powers_even_when_right():
     assert rewards.countdown_reward("<answer>2 * 3 + 7 + 2</answer>", four) == 1.0
 
 
+
+def test_countdown_answers_stored_as_text_count(tmp_path):
+    """--task custom keeps the answer column as the file has it, and JSONL files store answers as text
+    ("24"): the countdown reward compared its exact value with the string, and every sample scored 0."""
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": "Make 24 from 2, 3, 4.", "numbers": [2, 3, 4],
+                                            "answer": "24"}])
+    (s,) = tasks.load_task("custom", "train", data=str(tmp_path / "train.jsonl"), tokenizer=TOK)
+    assert rewards.countdown_reward("<answer>2 * 3 * 4</answer>", s) == 1.0
+    assert rewards.countdown_reward("<answer>2 * 3 + 4</answer>", s) == 0.0
+    for gold, expected in [(" 22 ", 1.0), ("22.0", 1.0), (22.0, 1.0), ("44/2", 1.0), ("21", 0.0),
+                           ("twenty-two", 0.0), ("1/0", 0.0), ("", 0.0), (None, 0.0), (True, 0.0),
+                           ([22], 0.0), (float("nan"), 0.0)]:
+        assert rewards.countdown_reward("<answer>3 * 5 + 7</answer>", {**SAMPLE, "answer": gold}) == expected, gold
+
 def test_countdown_checker_never_raises():
     for completion, sample in [(None, SAMPLE), ("no answer", SAMPLE), ("<answer>1</answer>", None),
                                ("<answer>1</answer>", {}), ("<answer>" + "1+" * 5000 + "1</answer>", SAMPLE),
