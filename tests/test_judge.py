@@ -71,10 +71,19 @@ def test_a_builtin_given_the_completions_function_is_the_jails_whole():
     ("assert f() == {**g()}", "Dict outside a call into the completion"),
     ("assert f() == max(*g())", "*args or **kwargs"),
     ("x = f(1)", "not an assert"),
+    # nested deeper than judge() can follow: ast's own recursion gave up at 3000, judge's at 600
+    ("assert f(1) == " + "+".join(["1"] * 3000), "nested more than 100 deep"),
+    ("assert f(1) == " + "+".join(["1"] * 600), "nested more than 100 deep"),
+    ("assert f(1) == " + "-" * 200 + "1", "nested more than 100 deep"),
 ])
 def test_what_the_trainer_cannot_judge_is_refused_with_its_reason(test, why):
     with pytest.raises(ValueError, match=re.escape(why)):
         split_test(test)
+
+
+def test_a_test_nested_within_the_bound_is_judged():
+    assert verdict("assert f(1) == " + "+".join(["1"] * 90), [90])
+    assert not verdict("assert f(1) == " + "+".join(["1"] * 90), [89])
 
 
 # the trainer's expected sides: builtins and methods of the allow-list over small constants, nested
