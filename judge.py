@@ -4,8 +4,9 @@ parts of E that name the completion's own definitions (`f(x, k=[1])`, `X`, `obj.
 (read_value); the rest of E, the expected side whole, is evaluated here (judge) with an allow-list: Python's
 pure builtins (BUILTINS), math's functions (MATH) and pure methods (METHODS) on values the trainer holds,
 each bounded where a value the completion chose could make its result huge. A test that needs anything
-else (a module's function, a comprehension, a lambda) or names nothing of the completion's is refused
-when the task loads (rewards.check_tests), in one line. It imports no project module."""
+else (a module's function, a comprehension, a lambda), names nothing of the completion's or is nested
+deeper than TEST_DEPTH is refused when the task loads (rewards.check_tests), in one line. It imports no
+project module."""
 import ast
 import builtins
 import json
@@ -19,6 +20,8 @@ OUTPUT_CAP = 1 << 20
 # the parse of the jail's values: at most this many values and containers in one completion's, nested
 # this deep, and this many distinct values sharing one hash (more make a set or dict quadratic)
 MAX_NODES, MAX_DEPTH, MAX_COLLISIONS = 50_000, 64, 8
+# a test's expression nested at most this deep: judge() takes a few frames of the recursion limit a level
+TEST_DEPTH = 100
 # the trainer's own results: integers of at most INT_BITS bits (CPython multiplies big integers in
 # Karatsuba time: a 1 MiB power cost 0.5 s), ranges of at most RANGE_ITEMS items (a set of them: 10 MiB)
 INT_BITS, RANGE_ITEMS = 1 << 16, 1 << 16
@@ -111,7 +114,8 @@ def numeric_sum(items, start=0):
 
 def bounded_range(*args):
     items = range(*args)
-    if len(items) > RANGE_ITEMS:
+    # what lies past the first RANGE_ITEMS items, not len(), which raises OverflowError past sys.maxsize
+    if items[RANGE_ITEMS:]:
         too_big(f"a range of more than {RANGE_ITEMS} items")
     return items
 
@@ -204,8 +208,14 @@ def split_test(test: str) -> tuple[ast.expr, list[str]]:
     `isinstance(x, Point)`). Everything else is the trainer's (judge). Each part is marked on its node
     (`node.jail`, its index). Refused: a test that is no assert, names nothing of the completion's, or
     needs a module (`collections.Counter(...)`, `math.x` outside MATH), a comprehension, a lambda, `*args`
-    or a method outside METHODS on the trainer's side."""
-    body = ast.parse(test).body
+    or a method outside METHODS on the trainer's side, or is nested deeper than TEST_DEPTH."""
+    # ast.parse builds its tree recursively: a test nested a thousand deep exhausts the recursion limit
+    try:
+        body = ast.parse(test).body
+    except RecursionError:
+        body = None
+    if body is None or nesting(body) > TEST_DEPTH:
+        raise ValueError(f"nested more than {TEST_DEPTH} deep: the trainer cannot judge {test[:100]!r}...")
     if len(body) != 1 or not isinstance(body[0], ast.Assert):
         raise ValueError(f"not an assert: {test!r}")
     parts = []
@@ -280,6 +290,14 @@ def split_test(test: str) -> tuple[ast.expr, list[str]]:
         refuse("it names nothing of the completion's (a function named like a builtin is the builtin: "
                "name it otherwise)")
     return body[0].test, parts
+
+
+def nesting(nodes: list[ast.AST]) -> int:
+    """How deep the trees of `nodes` are, counted level by level, without recursion."""
+    depth = 0
+    while nodes:
+        depth, nodes = depth + 1, [child for node in nodes for child in ast.iter_child_nodes(node)]
+    return depth
 
 
 def free_names(node: ast.expr) -> set[str]:

@@ -8,7 +8,8 @@
             ("42", "-3")
     countdown  1.0 if the last <answer>...</answer> is an expression of + - * / and parentheses (parsed
             with `ast`, never eval'ed) using each of sample["numbers"] exactly once, whose value is
-            sample["answer"]
+            sample["answer"]: a number, or a string of one ("24", "-3", "7/2": JSONL data stores answers as
+            text)
     code    fraction of sample["tests"] that pass after the code in the last <answer>...</answer> has run,
             in a bubblewrap jail (sandbox.py), judged by the trainer (judge.py: check_tests refuses, when the
             task loads, a test it cannot judge); nan (counted in reward/errors) when the jail could not run it
@@ -37,10 +38,16 @@ _REPORTED = set()   # reward names whose first failure has been shown
 
 
 def last_answer(completion: str) -> str | None:
-    """Content of the last <answer>...</answer> (innermost if they nest), or None."""
-    end = completion.rfind("</answer>")
-    start = completion.rfind("<answer>", 0, max(end, 0))
-    return None if end < 0 or start < 0 else completion[start + len("<answer>"):end]
+    """Content of the last well-formed <answer>...</answer>, or None: an <answer> and the first </answer>
+    after it, with no answer tag between them. So the innermost where they nest
+    ("<answer>x<answer>42</answer>y</answer>" -> "42"), and a stray </answer> after the pair closes nothing
+    ("<answer>41</answer> wait, no: 42</answer>" -> "41"): text outside the tags is never the answer."""
+    # the last <answer> before the last </answer>: every <answer> after it has no </answer> to close it
+    start = completion.rfind("<answer>", 0, max(completion.rfind("</answer>"), 0))
+    if start < 0:
+        return None
+    start += len("<answer>")
+    return completion[start:completion.find("</answer>", start)]
 
 
 def format_reward(completion, sample):
@@ -103,6 +110,17 @@ def countdown_value(expr: str, used: list | None = None) -> Fraction | None:
         return None
 
 
+def exact_number(value) -> Fraction | None:
+    """An answer column as an exact number: an int or a float, or a string of one ("24", " -3", "2.5",
+    "7/2"), or None (a bool, other text, another type)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        return Fraction(value)
+    except (ValueError, ZeroDivisionError, OverflowError):   # "abc", "1/0", a float's inf or nan
+        return None
+
+
 def countdown_reward(completion, sample):
     pred = last_answer(completion) if isinstance(completion, str) else None
     if pred is None or not isinstance(sample, dict):
@@ -111,7 +129,7 @@ def countdown_reward(completion, sample):
     got = countdown_value(pred.split("=")[0], used)   # "(1 + 2) * 3 = 9" counts as its left side
     if got is None or not isinstance(numbers, (list, tuple)) or not all(type(x) is int for x in numbers):
         return 0.0   # also a malformed sample: sorting mixed or missing numbers would raise
-    return 1.0 if sorted(used) == sorted(numbers) and got == sample.get("answer") else 0.0
+    return 1.0 if sorted(used) == sorted(numbers) and got == exact_number(sample.get("answer")) else 0.0
 
 
 def extract_code(completion: str) -> str | None:

@@ -21,7 +21,8 @@ The project, the trainer's environment and files, other processes and the networ
 A trusted prologue sets resource limits (CPU seconds, address space, file size, open files, tasks, no core
 dumps) before the completion runs; the wall clock is watched from outside, and at `timeout_s` (checked before
 every read) or 1 MiB of output the jail is killed whole (its PID namespace dies with it, and with the trainer:
---die-with-parent). What a jail may hold outside its address space is counted in jail_mb.
+--die-with-parent; when the trainer is root, the root stage's PID namespace, around the jail's, dies with it
+too). What a jail may hold outside its address space is counted in jail_mb.
 
 The child only computes, the parent judges (judge.py). Each test `assert E` is parsed in the parent
 (split_test): the jail is sent only the parts of E that name the completion's own definitions (`f(x,
@@ -267,23 +268,27 @@ def root_stage(bwrap: str, setpriv: str, roots: list[str], uid: int) -> list[str
     RLIMIT_NPROC), so the jail's bwrap must be started by an unprivileged user; but the Python installation
     may lie where that user cannot look (root's home). This first bwrap, root's own and running nothing of
     the completion, makes a mount namespace with what the jail binds, on paths anyone can walk, then setpriv
-    drops to `uid`."""
+    drops to `uid`. It also makes a PID namespace, whose init (bwrap's, root's) dies with the trainer
+    (--die-with-parent) and takes the jail's bwrap and the jail with it: the kernel sends no parent-death
+    signal from root's bwrap, which has dropped its capabilities, to a process of `uid`."""
     walkable = []   # every folder above a root, created world-searchable in the stage's empty root
     for r in roots:
         parts = r.strip(os.sep).split(os.sep)[:-1]
         walkable += [os.sep + os.sep.join(parts[:i + 1]) for i in range(len(parts))]
     tools = [t for t in map(os.path.realpath, (bwrap, setpriv))
              if not any(t.startswith(r + os.sep) for r in roots)]
-    argv = [bwrap, "--die-with-parent"]
+    argv = [bwrap, "--die-with-parent", "--unshare-pid"]
     for d in dict.fromkeys(walkable):
         argv += ["--perms", "0755", "--dir", d]
     for t in tools:
         argv += ["--ro-bind", t, t]
-    # the jail's bwrap needs the host's /proc (to write its user namespace's maps) and /dev (for its own
-    # /dev), and a /tmp to build its root in
-    return argv + [*_system_binds(roots), "--bind", "/proc", "/proc", "--dev-bind", "/dev", "/dev",
-                   "--tmpfs", "/tmp", "--", setpriv, f"--reuid={uid}", f"--regid={uid}",
-                   "--clear-groups", "--"]
+    # the jail's bwrap needs a /proc (to write its user namespace's maps) of this PID namespace, where it
+    # looks its child up by pid; the kernel lets it mount the jail's own /proc only where a proc is mounted
+    # whole, which bwrap's --proc is not (it covers /proc/irq and /proc/bus), so the host's is there too.
+    # And /dev (for its own /dev), and a /tmp to build its root in
+    return argv + [*_system_binds(roots), "--proc", "/proc", "--bind", "/proc", "/run/host-proc",
+                   "--dev-bind", "/dev", "/dev", "--tmpfs", "/tmp", "--", setpriv, f"--reuid={uid}",
+                   f"--regid={uid}", "--clear-groups", "--"]
 
 
 def check_jail() -> None:

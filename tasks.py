@@ -156,7 +156,7 @@ def gsm8k_samples(split: str, data: str | None, tokenizer, chat_template: str) -
     out = []
     for where, r in records:
         if not (isinstance(r, dict) and isinstance(r.get("question"), str)
-                and "####" in str(r.get("answer"))):
+                and isinstance(r.get("answer"), str) and "####" in r["answer"]):
             raise DataError(f"{where}: a GSM8K record needs a 'question' and an 'answer' ending in "
                             f"'#### <number>'")
         gold = r["answer"].split("####")[-1].strip().replace(",", "")
@@ -299,6 +299,10 @@ def custom_samples(split: str, data: str | None, tokenizer, prompt_key: str, ans
         return None
     out = []
     for where, r in records:
+        # a JSONL line may hold any JSON value: `5`, `null`, a string
+        if not isinstance(r, dict):
+            raise DataError(f"{where}: a record must be a JSON object ({{\"{prompt_key}\": ..., "
+                            f"\"{answer_key}\": ...}}), not {json.dumps(r)[:60]}")
         # the code reward's tests: each one the trainer can judge, or the run stops here
         if "tests" in r:
             try:
@@ -306,9 +310,8 @@ def custom_samples(split: str, data: str | None, tokenizer, prompt_key: str, ans
             except ValueError as e:
                 raise DataError(f"{where}: the 'tests' column: {e}") from None
         for key, flag in ((prompt_key, "--prompt-key"), (answer_key, "--answer-key")):
-            if not isinstance(r, dict) or r.get(key) is None:
-                have = ", ".join(map(repr, r)) if isinstance(r, dict) else type(r).__name__
-                raise DataError(f"{where}: no {key!r} column ({flag}); this record has {have}")
+            if r.get(key) is None:
+                raise DataError(f"{where}: no {key!r} column ({flag}); this record has {', '.join(map(repr, r))}")
         if not isinstance(r[prompt_key], str):
             raise DataError(f"{where}: the {prompt_key!r} column must be text, "
                             f"not {type(r[prompt_key]).__name__}")

@@ -71,10 +71,19 @@ def test_a_builtin_given_the_completions_function_is_the_jails_whole():
     ("assert f() == {**g()}", "Dict outside a call into the completion"),
     ("assert f() == max(*g())", "*args or **kwargs"),
     ("x = f(1)", "not an assert"),
+    # nested deeper than judge() can follow: ast's own recursion gave up at 3000, judge's at 600
+    ("assert f(1) == " + "+".join(["1"] * 3000), "nested more than 100 deep"),
+    ("assert f(1) == " + "+".join(["1"] * 600), "nested more than 100 deep"),
+    ("assert f(1) == " + "-" * 200 + "1", "nested more than 100 deep"),
 ])
 def test_what_the_trainer_cannot_judge_is_refused_with_its_reason(test, why):
     with pytest.raises(ValueError, match=re.escape(why)):
         split_test(test)
+
+
+def test_a_test_nested_within_the_bound_is_judged():
+    assert verdict("assert f(1) == " + "+".join(["1"] * 90), [90])
+    assert not verdict("assert f(1) == " + "+".join(["1"] * 90), [89])
 
 
 # the trainer's expected sides: builtins and methods of the allow-list over small constants, nested
@@ -145,6 +154,7 @@ def refused_fast(expression, values):
     ("n() * n() > 0", [1 << (judge.INT_BITS // 2 + 8)] * 2),
     ("pow(3, e(), m()) > 0", [1 << 2000, 1 << 2000]),
     ("list(range(n())) == []", [10 ** 9]),
+    ("len(range(n())) > 0", [10 ** 20]),   # more items than len() can count
     ("sum(range(n())) == 0", [10 ** 12]),
     ("('-' * 1000).join(f()) == ''", [["a"] * 50_000]),
     ("'x'.center(n()) == ''", [10 ** 9]),
@@ -224,5 +234,8 @@ def test_an_endless_generator_has_no_value():
     with pytest.raises(ValueError):
         PLAIN["_plain"](itertools.count(), judge.MAX_NODES)
     assert through_the_jail(range(10 ** 6, 10 ** 6 + 3)) == range(10 ** 6, 10 ** 6 + 3)
-    with pytest.raises(ValueError, match="too big"):   # a range the trainer would not build itself
-        through_the_jail(range(10 ** 9))
+    # a range the trainer would not build itself, and one with more items than len() can count
+    for huge in (range(10 ** 9), range(10 ** 20), range(-10 ** 20, 10 ** 20, 7)):
+        with pytest.raises(ValueError, match="too big"):
+            through_the_jail(huge)
+    assert through_the_jail(range(10 ** 20, 0, -10 ** 16)) == range(10 ** 20, 0, -10 ** 16)

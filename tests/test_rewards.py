@@ -117,6 +117,19 @@ def test_last_answer():
     assert rewards.last_answer("<answer>a</answer><answer>b</answer>") == "b"
     assert rewards.last_answer("<answer>a<answer>b</answer>") == "b"
     assert rewards.last_answer("</answer><answer>") is None
+    assert rewards.last_answer("<answer>a</answer> then <answer>unclosed") == "a"
+    assert rewards.last_answer("no tags") is None
+
+
+@pytest.mark.parametrize("text,inside", [
+    ("<answer>41</answer> wait, no: 42</answer>", "41"),   # a stray </answer> closes nothing
+    ("<answer>x<answer>42</answer>y</answer>", "42"),       # nested: the innermost
+])
+def test_only_text_inside_the_answer_tags_is_graded(text, inside):
+    """A stray </answer> after the answer made everything up to it the answer: text outside the tags was
+    graded, and "42" after "<answer>41</answer>" scored as the answer 42."""
+    assert rewards.last_answer(text) == inside
+    assert REWARDS["gsm8k"](text, {"answer": "42"}) == (1.0 if inside == "42" else 0.0)
 
 
 CODE_ANSWERS = ["def add(a, b):\n    return a + b", "def add(a, b):\n    return a + b if a > 0 else 1",

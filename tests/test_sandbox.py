@@ -23,6 +23,7 @@ import pytest
 import rewards
 import sandbox
 import tasks
+from conftest import running
 from demo.tiny_model import build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,6 +154,13 @@ def test_the_trainer_refuses_to_build_huge_results():
     within = ["assert s() * 3 == 'x' * 300", "assert sum([n(), 1]) == 10 ** 9 + 1"]
     assert sandbox.run_tests(code, within) == 2
 
+
+
+def test_a_value_too_big_to_judge_fails_that_test_alone():
+    """A completion returning range(10 ** 20), more items than len() counts, made the code reward raise
+    (OverflowError) and the whole completion count as an error. That test fails now, the others pass."""
+    code = "def add(a, b):\n    return range(10 ** 20) if a == 10 else a + b"
+    assert rewards.code_reward(answer(code), ADD) == pytest.approx(2 / 3)
 
 COLLIDE = 2 ** 61 - 1   # hash(k * COLLIDE) == 0 for every integer k: a set of them is quadratic to build
 
@@ -446,6 +454,43 @@ def test_sleeping_and_flooding_completions_are_cut_short(code, timeout_s, stop, 
     assert sandbox.run_tests(code, ADD["tests"], timeout_s=timeout_s) == 0
     assert stops == [stop] and not lingering(before)
 
+
+# a trainer whose one completion sleeps: its jail runs until killed
+SLEEPING_TRAINER = ("import sys\nsys.path.insert(0, {root!r})\nimport sandbox\n"
+                    "sandbox.run_tests('import time\\nX = 1\\ntime.sleep(10 ** 6)', ['assert X == 1'], "
+                    "timeout_s=600)")
+
+
+def is_jail_interpreter(process):
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return process.cmdline()[:2] == [os.path.realpath(sys.executable), "-I"]
+    return False
+
+
+def test_the_jail_dies_with_the_trainer():
+    """A trainer killed outright (SIGKILL, the OOM killer) cleans nothing up, so its jails must end with it.
+    As root they did not: the jail's bwrap and the completion kept running, for as long as the completion
+    liked, after the trainer was gone."""
+    trainer = subprocess.Popen([sys.executable, "-c", SLEEPING_TRAINER.format(root=ROOT)])
+    jail = []
+    try:
+        deadline = time.monotonic() + 60
+        while not any(map(is_jail_interpreter, jail)):   # every process of the jail, once the completion runs
+            assert trainer.poll() is None and time.monotonic() < deadline, "the jail did not start"
+            jail = psutil.Process(trainer.pid).children(recursive=True)
+            time.sleep(0.05)
+        trainer.kill()
+        trainer.wait()
+        deadline = time.monotonic() + 10
+        while any(map(running, jail)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p.pid for p in jail if running(p)], "the jail outlived the trainer"
+    finally:
+        trainer.kill()
+        trainer.wait()
+        for process in jail:   # psutil checks it is still the same process, not a pid used again
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
 
 def test_what_waits_at_the_deadline_is_read_once(monkeypatch):
     """A reader that gets a core back only after its deadline still reads what the jail wrote before it (its

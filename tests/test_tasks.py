@@ -185,6 +185,20 @@ def test_countdown_checker_refuses_powers_even_when_right():
     assert rewards.countdown_reward("<answer>2 * 3 + 7 + 2</answer>", four) == 1.0
 
 
+
+def test_countdown_answers_stored_as_text_count(tmp_path):
+    """--task custom keeps the answer column as the file has it, and JSONL files store answers as text
+    ("24"): the countdown reward compared its exact value with the string, and every sample scored 0."""
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": "Make 24 from 2, 3, 4.", "numbers": [2, 3, 4],
+                                            "answer": "24"}])
+    (s,) = tasks.load_task("custom", "train", data=str(tmp_path / "train.jsonl"), tokenizer=TOK)
+    assert rewards.countdown_reward("<answer>2 * 3 * 4</answer>", s) == 1.0
+    assert rewards.countdown_reward("<answer>2 * 3 + 4</answer>", s) == 0.0
+    for gold, expected in [(" 22 ", 1.0), ("22.0", 1.0), (22.0, 1.0), ("44/2", 1.0), ("21", 0.0),
+                           ("twenty-two", 0.0), ("1/0", 0.0), ("", 0.0), (None, 0.0), (True, 0.0),
+                           ([22], 0.0), (float("nan"), 0.0)]:
+        assert rewards.countdown_reward("<answer>3 * 5 + 7</answer>", {**SAMPLE, "answer": gold}) == expected, gold
+
 def test_countdown_checker_never_raises():
     for completion, sample in [(None, SAMPLE), ("no answer", SAMPLE), ("<answer>1</answer>", None),
                                ("<answer>1</answer>", {}), ("<answer>" + "1+" * 5000 + "1</answer>", SAMPLE),
@@ -298,6 +312,29 @@ def test_data_mistakes_stop_the_run_with_one_line(tmp_path, capsys):
         assert stop.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err
         assert re.match("grpo_train.py: " + expected, err), err
 
+
+
+def test_malformed_records_stop_the_run_with_one_line_naming_the_file_and_line(tmp_path, capsys):
+    """Each was a traceback: a GSM8K answer that is no text (an AttributeError), a custom line that is no
+    JSON object (a TypeError, even before the check for one), a unit test nested thousands deep (a
+    RecursionError). Now each stops the run in one line naming the file, the line and the column."""
+    good = {"prompt": "p", "answer": "a"}
+    write_jsonl(tmp_path / "gsm.jsonl", [GSM[0], {"question": "q", "answer": ["#### 5"]}])
+    cases = [("gsm.jsonl", "gsm8k", "gsm.jsonl:2: a GSM8K record needs a 'question' and an 'answer' ending in "
+                                    "'#### <number>'")]
+    for i, line in enumerate(["5", "null", '"my tests"', "[1, 2]"]):
+        (tmp_path / f"mine{i}.jsonl").write_text(json.dumps(good) + "\n" + line + "\n")
+        cases.append((f"mine{i}.jsonl", "custom", f'mine{i}.jsonl:2: a record must be a JSON object ({{"prompt": '
+                                                  f'..., "answer": ...}}), not {line}'))
+    write_jsonl(tmp_path / "deep.jsonl", [good, {**good, "tests": ["assert f(1) == " + "+".join(["1"] * 3000)]}])
+    cases.append(("deep.jsonl", "custom", "deep.jsonl:2: the 'tests' column: nested more than 100 deep: the "
+                                          "trainer cannot judge 'assert f(1) == 1+1+1"))
+    for name, task, line in cases:
+        with pytest.raises(SystemExit) as stop:
+            load_prompts(tmp_path / name, task=task)
+        err = capsys.readouterr().err
+        assert stop.value.code == 1 and err.count("\n") == 1, err
+        assert err.startswith(f"grpo_train.py: {tmp_path}/{line}"), err
 
 def test_a_name_that_is_no_file_a_lone_surrogate_or_a_test_it_cannot_judge_is_one_line(tmp_path, monkeypatch, capsys):
     """Each was a traceback: a --data name existing only as a broken link, and a name that is neither file
