@@ -52,8 +52,8 @@ def ds_config_error(path):
         where = f"{e.msg}, line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else e
         return f"--ds-config {path}: not JSON ({where})"
     if not isinstance(config, dict):
-        return f"--ds-config {path}: a JSON object of DeepSpeed's settings is expected, not a " \
-               f"{type(config).__name__}"
+        return (f"--ds-config {path}: a JSON object of DeepSpeed's settings is expected, not a "
+                f"{type(config).__name__}")
     return None
 
 
