@@ -155,12 +155,12 @@ def test_the_trainer_refuses_to_build_huge_results():
     assert sandbox.run_tests(code, within) == 2
 
 
-
 def test_a_value_too_big_to_judge_fails_that_test_alone():
     """A completion returning range(10 ** 20), more items than len() counts, made the code reward raise
     (OverflowError) and the whole completion count as an error. That test fails now, the others pass."""
     code = "def add(a, b):\n    return range(10 ** 20) if a == 10 else a + b"
     assert rewards.code_reward(answer(code), ADD) == pytest.approx(2 / 3)
+
 
 COLLIDE = 2 ** 61 - 1   # hash(k * COLLIDE) == 0 for every integer k: a set of them is quadratic to build
 
@@ -491,6 +491,7 @@ def test_the_jail_dies_with_the_trainer():
         for process in jail:   # psutil checks it is still the same process, not a pid used again
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
+
 
 def test_what_waits_at_the_deadline_is_read_once(monkeypatch):
     """A reader that gets a core back only after its deadline still reads what the jail wrote before it (its
