@@ -179,7 +179,7 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
                  ref_sync_every, beta, max_staleness, keep_checkpoints, eval_size, ds_config, gen_device,
                  gen_devices, ref_url, ref_device, lora_rank, lora_alpha, gen_mem, off_policy_mask, lr, eps_low,
                  eps_high, std_floor, sync_tol, ref_wait, dist_timeout, gen_kv_gb, sync_every, eval_every,
-                 eval_only=False, gen_urls=None, gen_timeout=600.0, max_prompt_len=512, **more):
+                 save_every, eval_only=False, gen_urls=None, gen_timeout=600.0, max_prompt_len=512, **more):
     """Exits with one message naming every flag that is wrong, before anything is loaded or started;
     if none is, rank 0 prints the run in one line: the model, where training and vLLM run,
     the reference, the variant (--eval-only: the model and where vLLM runs)."""
@@ -202,7 +202,8 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
                            gen_kv_gb=gen_kv_gb)
     negative = out_of_range(lambda v: v >= 0, max_staleness=max_staleness, keep_checkpoints=keep_checkpoints,
                             beta=beta, eps_low=eps_low, eps_high=eps_high, std_floor=std_floor,
-                            sync_tol=sync_tol, ref_wait=ref_wait, gen_device=gen_device)
+                            sync_tol=sync_tol, ref_wait=ref_wait, gen_device=gen_device,
+                            eval_every=eval_every, save_every=save_every)
     not_positive = out_of_range(lambda v: v > 0, lr=lr, dist_timeout=dist_timeout, gen_timeout=gen_timeout)
     # an evaluation comes with a weight push (grpo_train.main), so one between pushes would never run
     evals_skipped = eval_every > 0 and eval_every % sync_every and not eval_only

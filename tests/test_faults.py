@@ -459,6 +459,7 @@ OUT_OF_RANGE = [
     (["--gen-device", "-1"], "--gen-device must be >= 0"),
     (["--gen-kv-gb", "0"], "--gen-kv-gb must be >= 1"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--eval-every", "-5", "--save-every", "-5"], "--eval-every, --save-every must be >= 0"),
     (["--beta", "-1", "--lr", "-1", "--eps-high", "-1"], "--beta, --eps-high must be >= 0; --lr must be > 0"),
     (["--steps", "6", "--sync-every", "2", "--eval-every", "3"],
      "--eval-every 3: evaluations come with the weight pushes, every --sync-every 2 steps: give a multiple "
