@@ -278,12 +278,11 @@ class MetricsLog:
         if eval_only:
             return
         os.makedirs(out_dir, exist_ok=True)
-        # the run's files are rewritten at the first row (open): after the checkpoint has loaded
+        # the run's files are written at the first row (open): after the checkpoint has loaded
         self.resume_step = resume_step
-        resolved = {"model": model, "task": task, "chat_template": chat_template, "out_dir": out_dir, "steps":
+        self.resolved = resolved = {"model": model, "task": task, "chat_template": chat_template, "out_dir": out_dir, "steps":
                     steps, "tensorboard": tensorboard, "wandb": wandb, "log_completions": log_completions,
                     "log_completions_every": log_completions_every, "log_every": log_every, **flags}
-        self.save_config(resolved)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(out_dir)
@@ -300,14 +299,16 @@ class MetricsLog:
             print(f"wandb: {self.wandb.url or self.wandb.dir}", flush=True)
 
     def open(self):
-        """The run's files, at its first row: with --overwrite, the old run's checkpoints deleted; metrics.jsonl,
-        completions.jsonl and eval_completions.jsonl keep the rows up to the checkpoint resumed from (none in
-        a new run)."""
+        """The run's files, at its first row: with --overwrite, the old run's checkpoints deleted; config.yaml
+        written; metrics.jsonl, completions.jsonl and eval_completions.jsonl keep the rows up to the checkpoint
+        resumed from (none in a new run)."""
         # at the first row, not at start-up: the checkpoint has loaded, vLLM has started and a step has
         # trained, so a new run that stops before (a typo in --data, a model that does not load) leaves
         # the old run whole; and before the new run's first checkpoint, which would sit beside the old's
         if self.flags.get("overwrite") and not self.flags.get("resume"):
             clear_run(self.out_dir)
+        # the old run's config.yaml too stays until here: --eval-only of its checkpoints reads it
+        self.save_config(self.resolved)
         # the step each file's rows belong to: a training step, or the step an evaluation scored
         for name, key in (("completions.jsonl", "step"), ("eval_completions.jsonl", "eval/step")):
             keep_rows(os.path.join(self.out_dir, name), key, self.resume_step)

@@ -207,18 +207,21 @@ def test_overwrite_deletes_the_old_run_only_at_the_new_runs_first_row(tmp_path):
     """--overwrite deleted the old run's checkpoints as the run started, before it read its model and data: a
     typo in the new run's --data left neither run. The old run now stays whole until the new run writes its
     first row (its checkpoint loaded, vLLM started, a step trained); then its checkpoints go, so no stale
-    step_10 stays beside the new run's, and its metrics and completions files start empty."""
+    step_10 stays beside the new run's, its metrics and completions files start empty, and its config.yaml
+    (which --eval-only of its checkpoints reads) gives way to the new run's."""
     from checkpoints import read_state
     from metrics import MetricsLog
     a_run(tmp_path, "--lr", "3e-4")
     (tmp_path / "model").mkdir()
     jsonl(tmp_path / "completions.jsonl", [{"step": s, "completion": "old"} for s in (1, 2)])
     jsonl(tmp_path / "eval_completions.jsonl", [{"eval/step": 0, "completion": "old"}])
+    (tmp_path / "config.yaml").write_text("lr: 0.0003\n")
     before = sorted(p.name for p in tmp_path.iterdir())
     argv = ("--overwrite", "--log-completions", "1")
     read_state(True, **{**flags(*argv), "out_dir": str(tmp_path)})
     log = MetricsLog(0, **{**flags(*argv), "out_dir": str(tmp_path)})
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["config.yaml"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert (tmp_path / "config.yaml").read_text() == "lr: 0.0003\n"
     assert (tmp_path / "latest").read_text() == "step_10" and steps_in(tmp_path / "completions.jsonl") == [1, 2]
     log.write({"step": 1, **ROW, "samples": [{"prompt": "1+1=", "completion": "new"}]})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["completions.jsonl", "config.yaml",
@@ -226,6 +229,7 @@ def test_overwrite_deletes_the_old_run_only_at_the_new_runs_first_row(tmp_path):
     assert steps_in(tmp_path / "metrics.jsonl") == [1]
     assert [json.loads(line)["completion"] for line in (tmp_path / "completions.jsonl").open()] == ["new"]
     assert (tmp_path / "eval_completions.jsonl").read_text() == ""
+    assert "log_completions: 1" in (tmp_path / "config.yaml").read_text().splitlines()
 
 
 def test_a_resume_that_changes_the_run_says_which_flags_and_needs_consent(tmp_path, capsys):
@@ -259,7 +263,7 @@ def test_a_resume_may_change_logging_devices_servers_and_the_config_file(tmp_pat
     assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--log-every", "5", "--log-completions-every",
                    "2", "--wandb", "--ref-device", "cpu", "--gen-urls", "http://10.0.0.2:8000", "--gen-timeout",
                    "30", "--reward-workers", "4") is None
-    MetricsLog(0, **{**flags("--lr", "3e-4"), "out_dir": str(tmp_path)})
+    MetricsLog(0, **{**flags("--lr", "3e-4"), "out_dir": str(tmp_path)}).open()
     assert refusal(capsys, tmp_path, "--config", str(tmp_path / "config.yaml"), "--resume") is None
     assert "resuming after step 10 from" in capsys.readouterr().out
 

@@ -277,7 +277,7 @@ def test_a_config_file_under_the_command_line(tmp_path, capsys):
     args = get_args(["--config", str(tmp_path / "run.yaml"), "--beta", "0.2"])
     assert (args.model, args.max_new_tokens, args.lr, args.grad_ckpt, args.gen_devices, args.beta) == (
         "m/m", 64, 3e-4, True, [0, 1], 0.2)
-    MetricsLog(0, **{**vars(args), "out_dir": str(tmp_path / "run")})
+    MetricsLog(0, **{**vars(args), "out_dir": str(tmp_path / "run")}).open()
     again = get_args(["--config", str(tmp_path / "run" / "config.yaml")])
     assert vars(again) == {**vars(args), "config": str(tmp_path / "run" / "config.yaml"),
                            "out_dir": str(tmp_path / "run")}
