@@ -7,6 +7,7 @@ step_N). grpo_train.py uses it; read that first."""
 import fcntl
 import json
 import os
+import pickle
 import re
 import signal
 
@@ -175,8 +176,8 @@ def checked_state(path, tag, flags) -> dict:
 
 def load_checkpoint(engine, out_dir, step):
     """All ranks: the model and this rank's optimizer shard (DeepSpeed 0.19) of checkpoint step_<step>; none at
-    step 0 (a fresh run). A file of them missing (deleted to save space) or a load DeepSpeed gives up on:
-    one line naming the folder, before the run writes anything."""
+    step 0 (a fresh run). A file of them missing (deleted to save space), cut short or garbled, or a load
+    DeepSpeed gives up on: one line naming the folder, before the run writes anything."""
     if step == 0:
         return
     tag = f"step_{step}"
@@ -191,7 +192,12 @@ def load_checkpoint(engine, out_dir, step):
                   f"{restart}")
     # frozen weights (LoRA's base) are not in the checkpoint: they are --model's, loaded already
     frozen = any(not p.requires_grad for p in engine.module.parameters())
-    path, _ = engine.load_checkpoint(out_dir, tag=tag, load_module_strict=not frozen)
+    try:
+        path, _ = engine.load_checkpoint(out_dir, tag=tag, load_module_strict=not frozen)
+    # torch.load of a file cut short (a copy that did not finish) or garbled
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        stop_with(f"--resume: DeepSpeed could not load the checkpoint {folder} "
+                  f"({str(e).partition(chr(10))[0].partition('. ')[0][:200]}): {restart}")
     if path is None:
         stop_with(f"--resume: DeepSpeed could not load the checkpoint {folder}: {restart}")
 

@@ -326,15 +326,26 @@ for name in sorted(n for n in os.listdir(folder) if n.endswith(".pt")):
     except SystemExit as e:
         print("probe: exit", e.code, flush=True)
     shutil.move(os.path.join(out, name), folder)
+# each cut to half its length in turn, as a copy that did not finish leaves it
+for name in sorted(n for n in os.listdir(folder) if n.endswith(".pt")):
+    path = os.path.join(folder, name)
+    whole = open(path, "rb").read()
+    open(path, "wb").write(whole[:len(whole) // 2])
+    try:
+        load_checkpoint(engine, out, 2)
+    except SystemExit as e:
+        print("probe: exit", e.code, flush=True)
+    open(path, "wb").write(whole)
 load_checkpoint(engine, out, 2)
 print("probe: loaded", flush=True)
 """
 
 
 def test_a_checkpoint_lacking_deepspeeds_files_stops_the_resume_in_one_line(tmp_path, tiny_model):
-    """A step folder without DeepSpeed's model file or its optimizer shard (deleted to save space) ended
-    --resume in a traceback (an AssertionError without a message, a FileNotFoundError). Each is one line
-    naming the folder and the file, exit status 1, before the run writes anything (metrics.jsonl stays)."""
+    """A step folder without DeepSpeed's model file or its optimizer shard (deleted to save space), or with
+    one cut short (a copy that did not finish), ended --resume in a traceback (an AssertionError without a
+    message, a FileNotFoundError, torch.load's RuntimeError). Each is one line naming the folder (and the
+    missing file), exit status 1, before the run writes anything (metrics.jsonl stays)."""
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     p = subprocess.run([sys.executable, "-c", LACKING, tiny_model, str(tmp_path), str(next_port())], cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=600)
@@ -343,11 +354,15 @@ def test_a_checkpoint_lacking_deepspeeds_files_stops_the_resume_in_one_line(tmp_
     files = sorted(f.name for f in folder.glob("*.pt"))
     assert files == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], files
     said = [line for line in p.stderr.splitlines() if line.startswith("grpo_train.py")]
-    assert said == [f"grpo_train.py: --resume: {folder} has no {name}, which DeepSpeed reads to resume: resume "
-                    f"from another checkpoint (write its name into {tmp_path}/latest), or start a new run from "
-                    f"its weights (--model {folder}) in another --out-dir" for name in files], p.stderr[-3000:]
+    restart = (f"resume from another checkpoint (write its name into {tmp_path}/latest), or start a new run "
+               f"from its weights (--model {folder}) in another --out-dir")
+    assert said[:2] == [f"grpo_train.py: --resume: {folder} has no {name}, which DeepSpeed reads to resume: "
+                        f"{restart}" for name in files], p.stderr[-3000:]
+    assert len(said) == 4 and all(line.startswith(f"grpo_train.py: --resume: DeepSpeed could not load the "
+                                                  f"checkpoint {folder} (") and line.endswith(f"): {restart}")
+                                  for line in said[2:]), said
     probed = [line for line in p.stdout.splitlines() if line.startswith("probe: ")]
-    assert "Traceback" not in p.stderr and probed == ["probe: exit 1"] * 2 + ["probe: loaded"], p.stdout
+    assert "Traceback" not in p.stderr and probed == ["probe: exit 1"] * 4 + ["probe: loaded"], p.stdout
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
