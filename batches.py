@@ -84,7 +84,9 @@ def normaliser(seqs, fill, agg, mask_truncated):
     lengths = [(len(s["completion"]), s["truncated"]) for s in seqs] + fill
     if agg != "token-mean":
         return len(lengths)
-    return sum(n for n, cut in lengths if not (mask_truncated and cut))
+    # at least 1: with --mask-truncated, a batch of cut-off completions alone has no token in the loss,
+    # and its loss is 0 (each micro-batch's 0 x 0 / 0 was nan)
+    return max(1, sum(n for n, cut in lengths if not (mask_truncated and cut)))
 
 
 def micro_batches(mine, seqs, world, size):

@@ -154,8 +154,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, e
         low = (ratio < 1 - eps_low) & (A < 0) & keep                      # (B, T)
         high = (ratio > 1 + eps_high) & (A > 0) & keep                    # (B, T)
         stats = {"kl_sum": (kl * mask).sum(), "clip_low": low.sum(), "clip_high": high.sum(),
-                 "tokens": n_tokens, "ratio_sum": (ratio * mask).sum(), "ratio_max": ratio.max(),
-                 "is_outside": outside.sum(), "off_policy": (off & keep).sum()}
+                 "tokens": n_tokens, "ratio_sum": (ratio * mask).sum(), "is_outside": outside.sum(),
+                 "ratio_max": torch.where(keep, ratio, 0).max(), "off_policy": (off & keep).sum()}
     return loss, count, stats
 
 def rollout(llm, next_prompts, n_prompts, args):

@@ -54,6 +54,12 @@ def ds_config_error(path):
     if not isinstance(config, dict):
         return (f"--ds-config {path}: a JSON object of DeepSpeed's settings is expected, not a "
                 f"{type(config).__name__}")
+    # a step accumulates all its micro-batches, each weighted by its share of the batch: DeepSpeed's own
+    # accumulation would divide every gradient again (and the clip act on a norm that much smaller), and
+    # a fixed batch size disagrees with --micro-batch
+    if config.get("gradient_accumulation_steps", 1) != 1 or "train_batch_size" in config:
+        return (f"--ds-config {path}: keep gradient_accumulation_steps 1 and leave out train_batch_size: "
+                f"a step accumulates all its micro-batches itself (--micro-batch sets their size)")
     return None
 
 

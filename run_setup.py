@@ -358,7 +358,8 @@ def deepspeed_config(ds_config_path, micro_batch, bf16, world):
     """--ds-config's file with the run's settings."""
     with open(ds_config_path) as f:
         ds_config = json.load(f)
-    # gradient_accumulation_steps stays 1: micro-batches per step vary, so the loop marks the boundary itself
+    # gradient_accumulation_steps stays 1 (check_config: ds_config_error): micro-batches per step vary, so
+    # the loop marks the boundary itself
     ds_config.update({"train_micro_batch_size_per_gpu": micro_batch, "bf16": {"enabled": bf16}})
     # ZeRO-2 reduces gradients during the backward where there is a reduction to hide (2+ ranks); on one rank
     # it would only add its buffers. A value in the file wins

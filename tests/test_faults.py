@@ -491,12 +491,19 @@ def test_the_edges_of_each_flags_range_pass(capsys):
 
 
 def test_a_ds_config_that_is_not_a_json_object_is_one_line(tmp_path, capsys):
-    """Said before vLLM starts, where DeepSpeed reads it after: a JSONDecodeError's traceback."""
+    """Said before vLLM starts, where DeepSpeed reads it after: a JSONDecodeError's traceback; and settings
+    that would make the update another one."""
     from grpo_train import get_args
     from run_setup import check_config
     (tmp_path / "comma.json").write_text('{\n  "zero_optimization": {"stage": 2},\n}\n')
     (tmp_path / "list.json").write_text("[1, 2]\n")
-    for name, said in (("comma.json", "not JSON (Expecting property name enclosed in double quotes, line 3, "
+    # an accumulation of DeepSpeed's own divided every gradient by it again: the clip saw a norm 4x smaller
+    (tmp_path / "accumulate.json").write_text('{"gradient_accumulation_steps": 4}\n')
+    (tmp_path / "batch.json").write_text('{"train_batch_size": 64}\n')
+    accumulation = ("keep gradient_accumulation_steps 1 and leave out train_batch_size: a step accumulates all "
+                    "its micro-batches itself (--micro-batch sets their size)")
+    for name, said in (("accumulate.json", accumulation), ("batch.json", accumulation),
+                       ("comma.json", "not JSON (Expecting property name enclosed in double quotes, line 3, "
                                       "column 1)"),
                        ("list.json", "a JSON object of DeepSpeed's settings is expected, not a list"),
                        ("none.json", "no such file")):

@@ -455,6 +455,33 @@ def test_token_mean_with_mask_truncated_divides_by_the_tokens_in_the_loss():
     assert total == kept.sum().item() and parts.item() == pytest.approx(full.item(), rel=1e-12)
 
 
+def test_a_batch_of_cut_off_completions_alone_has_loss_zero_not_nan():
+    """--agg token-mean --mask-truncated with every completion cut off: no token in the loss. The trainer's
+    weighting, loss * count / normaliser, was 0 x 0 / 0 = nan, which metrics.jsonl then held as its loss."""
+    logps, old, ref, adv, mask, lens = random_batch(B=3, seed=4)
+    seqs = [{"completion": [0] * n, "truncated": True} for n in lens]
+    kept = mask * 0
+    total = normaliser(seqs, [(5, True)], "token-mean", mask_truncated=True)
+    loss, count, _ = grpo_loss(logps, old, ref, adv, kept, beta=0.1, eps_low=0.2, eps_high=0.2, agg="token-mean",
+                               max_len=7)
+    assert total == 1 and (loss * count / total).item() == 0.0
+
+
+def test_ratio_max_is_over_the_tokens_in_the_loss():
+    """ratio/max counted padding, and the tokens --mask-truncated leaves out, as ratio 1 (their log-ratio is
+    set to 0): a batch whose ratios were all below 1 reported 1."""
+    logps, old, ref, adv, mask, lens = random_batch(B=4, seed=5)
+    old = logps + 0.5   # every ratio exp(-0.5)
+    old[1, 2] = logps[1, 2] + 0.1   # the largest, exp(-0.1)
+    kw = dict(beta=0.0, eps_low=0.2, eps_high=0.2, agg="token-mean", max_len=7)
+    assert mask.sum() < mask.numel() and lens[1] > 2   # padding there, and the token inside
+    _, _, stats = grpo_loss(logps, old, ref, adv, mask, **kw)
+    assert stats["ratio_max"].item() == pytest.approx(math.exp(-0.1))
+    for level in ("token", "sequence"):
+        _, _, stats = grpo_loss(logps, old, ref, adv, mask, ratio_level=level, **kw)
+        assert stats["ratio_max"].item() < 1
+
+
 def gsm8k_like_batch(rng, prompts=8, group_size=8):
     """A rollout's order (a group's completions together) with GSM8K-like lengths: prompts of 60-200
     tokens, completions log-normal around 150 tokens, at most 512."""
