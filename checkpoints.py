@@ -93,6 +93,10 @@ def read_state(master, *, out_dir, resume, steps, overwrite=False, resume_with_c
     refused unless --resume or --overwrite (which deletes nothing here: MetricsLog does, at the new run's
     first row); a resume that would change the run is refused unless --resume-with-changes, one with another
     --model or --lora-rank always, and one with no step left to take: one line each."""
+    # --eval-only evaluates --model as it is: with --resume it waited for an evaluation never asked for
+    if eval_only and resume:
+        stop_with(f"--eval-only evaluates --model; it takes no --resume: name the checkpoint "
+                  f"(--model {os.path.join(out_dir, 'step_N')})")
     # --eval-only writes only its result (beside the checkpoint it evaluates): no run's folder to hold
     if master and not eval_only:
         hold_out_dir(out_dir)
@@ -122,8 +126,7 @@ def read_state(master, *, out_dir, resume, steps, overwrite=False, resume_with_c
     if changes and not resume_with_changes:
         stop_with(f"--resume: these flags differ from {path}'s run: {', '.join(changes)}; "
                   f"--resume-with-changes continues with them, or pass the run's values")
-    # --eval-only takes no step: it evaluates the checkpoint
-    if not eval_only and steps <= state["step"]:
+    if steps <= state["step"]:
         stop_with(f"--steps {steps}: the checkpoint in {out_dir} is at step {state['step']} already; pass "
                   f"a larger --steps")
     if master:

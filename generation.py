@@ -69,7 +69,8 @@ from rewards import parse_reward_spec
 
 def engine_positions(data_pos, engines):
     """The saved data position (an int before several engines, or one per engine) -> one per engine. Resumed
-    with another number of engines, each starts after the furthest one (at most a block's prompts skipped)."""
+    with another number of engines, each starts after the furthest one: what the engines behind had not
+    reached is skipped (nothing without --max-gen-rounds, where every engine draws as many blocks)."""
     saved = data_pos if isinstance(data_pos, list) else [data_pos]
     return saved if len(saved) == engines else [max(saved)] * engines
 
@@ -343,6 +344,9 @@ class GenerationProcess:
         """The reference servers load checkpoint `path` (of training step `step`) once every engine has
         finished the batches already asked for: those are scored by the reference before, later ones by it."""
         self._landed()
+        # what next_batch left unasked while a push was in flight is asked before the reload, as it would
+        # have been had the push landed: which reference scores a batch does not depend on timing
+        self._ask_for(self.taken + self.ahead)
         self._send({"kind": "reference", "path": path, "step": step})
         self._ask_for(self.taken + 1 + self.ahead)
 
@@ -396,7 +400,8 @@ class GenerationProcess:
             # older than the protocol allows would be a bug here: dropped, counted, never trained on
             if self.version - batch["version"] <= self.ahead:
                 break
-            dropped += 1
+            # one more is asked for in its place: the launch still takes `total` batches to train on
+            dropped, self.total = dropped + 1, self.total + 1
         self._ask_for(self.taken + self.ahead, wait=False)
         batch["metrics"].update({"policy_lag": opt_steps - self.opt_steps_at[batch["version"]],
                                  "time/push_s": self.push_s})

