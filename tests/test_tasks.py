@@ -185,7 +185,6 @@ def test_countdown_checker_refuses_powers_even_when_right():
     assert rewards.countdown_reward("<answer>2 * 3 + 7 + 2</answer>", four) == 1.0
 
 
-
 def test_countdown_answers_stored_as_text_count(tmp_path):
     """--task custom keeps the answer column as the file has it, and JSONL files store answers as text
     ("24"): the countdown reward compared its exact value with the string, and every sample scored 0."""
@@ -198,6 +197,7 @@ def test_countdown_answers_stored_as_text_count(tmp_path):
                            ("twenty-two", 0.0), ("1/0", 0.0), ("", 0.0), (None, 0.0), (True, 0.0),
                            ([22], 0.0), (float("nan"), 0.0)]:
         assert rewards.countdown_reward("<answer>3 * 5 + 7</answer>", {**SAMPLE, "answer": gold}) == expected, gold
+
 
 def test_countdown_checker_never_raises():
     for completion, sample in [(None, SAMPLE), ("no answer", SAMPLE), ("<answer>1</answer>", None),
@@ -313,7 +313,6 @@ def test_data_mistakes_stop_the_run_with_one_line(tmp_path, capsys):
         assert re.match("grpo_train.py: " + expected, err), err
 
 
-
 def test_malformed_records_stop_the_run_with_one_line_naming_the_file_and_line(tmp_path, capsys):
     """Each was a traceback: a GSM8K answer that is no text (an AttributeError), a custom line that is no
     JSON object (a TypeError, even before the check for one), a unit test nested thousands deep (a
@@ -335,6 +334,7 @@ def test_malformed_records_stop_the_run_with_one_line_naming_the_file_and_line(t
         err = capsys.readouterr().err
         assert stop.value.code == 1 and err.count("\n") == 1, err
         assert err.startswith(f"grpo_train.py: {tmp_path}/{line}"), err
+
 
 def test_a_name_that_is_no_file_a_lone_surrogate_or_a_test_it_cannot_judge_is_one_line(tmp_path, monkeypatch, capsys):
     """Each was a traceback: a --data name existing only as a broken link, and a name that is neither file
