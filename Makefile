@@ -75,13 +75,16 @@ bwrap:
 	fi
 
 # On a GPU machine, with requirements.txt installed in the active python: gpu_bench.py and 20 steps of the
-# GPU recipe's shape on a random Qwen2.5-0.5B-shaped model (docs/gpu.md, "The GPU check").
+# GPU recipe's shape on a random Qwen2.5-0.5B-shaped model (docs/gpu.md, "The GPU check"). The active python
+# is SYSTEM_PYTHON, found before PATH put .venv/bin (the CPU tests' torch) first; and the JIT-built ops stay
+# out of .venv's folder, where one built against the CPU torch would be loaded as it is.
+GPU_PYTHON := env -u TORCH_EXTENSIONS_DIR $(SYSTEM_PYTHON)
 gpu-check:
 	@command -v nvidia-smi >/dev/null || { echo "make gpu-check: no GPU here (no nvidia-smi): it is for a GPU" \
 		"machine; on this one, make test runs the tests, python bench/gpu_check.py --tiny the check's stages" \
 		"at tiny shapes" >&2; exit 1; }
-	python bench/gpu_check.py
+	$(GPU_PYTHON) bench/gpu_check.py
 
 # At most 5 minutes on one GPU from a cold start: 5 steps, one line each for what to read first (docs/gpu.md).
 gpu-check-quick:
-	python bench/gpu_check.py --quick
+	$(GPU_PYTHON) bench/gpu_check.py --quick

@@ -37,13 +37,17 @@ def base_model_view(model):
 def adapter_targets(model, spec: str):
     """--lora-targets "q_proj,v_proj" -> the names peft's LoraConfig matches (or "all-linear"). ValueError,
     naming the flag, for a name that is empty, that no layer of the model has, or that names what LoRA does
-    not adapt here (a norm, a decoder block, an embedding): each must name linear layers."""
+    not adapt here (a norm, a decoder block, an embedding, an lm_head tied to the embedding): each must name
+    linear layers."""
     if spec == "all-linear":
         return spec
     kinds = {}   # a layer's last name -> the kinds of module under it
     for name, module in model.named_modules():
         kinds.setdefault(name.rsplit(".", 1)[-1], set()).add(type(module))
-    linear = sorted(n for n, k in kinds.items() if n and k == {torch.nn.Linear})
+    # a tied lm_head is the embedding to vLLM (peft merges into lm_head alone): vLLM would sample unadapted
+    heads = [n for n, m in model.named_modules() if m is model.get_output_embeddings()]
+    tied = getattr(model.config, "tie_word_embeddings", False) and heads and heads[0].rsplit(".", 1)[-1]
+    linear = sorted(n for n, k in kinds.items() if n and k == {torch.nn.Linear} and n != tied)
     targets = spec.split(",")
     for t in targets:
         if not t.strip():
@@ -51,6 +55,10 @@ def adapter_targets(model, spec: str):
                              f"{','.join(linear[:2])}; or all-linear)")
         if t not in kinds:
             raise ValueError(f"--lora-targets: the model has no layer named {t}; its linear layers: "
+                             f"{', '.join(linear)}")
+        if t == tied:
+            raise ValueError(f"--lora-targets: {t} shares its weight with the embedding (tie_word_embeddings), "
+                             f"which vLLM would use unadapted; adapt the other linear layers: "
                              f"{', '.join(linear)}")
         if kinds[t] != {torch.nn.Linear}:
             what = ", ".join(sorted(k.__name__ for k in kinds[t]))

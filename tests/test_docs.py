@@ -387,6 +387,21 @@ def test_the_eight_gpu_layout_is_one_layout():
     assert "The 8-GPU line below has not run" in README.read_text()
 
 
+def test_make_gpu_check_runs_the_active_python(tmp_path):
+    """`make gpu-check` runs in the python of the shell that runs make (a GPU machine's environment): the
+    Makefile puts .venv/bin, whose torch is the CPU tests', first on PATH, and its gpu-check ran that one
+    ("no GPU here" on a GPU machine once `make test` or `make demo` had made .venv)."""
+    active = tmp_path / "bin"
+    active.mkdir()
+    (active / "python3").symlink_to(sys.executable)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    env["PATH"] = f"{active}:{env['PATH']}"
+    for target, flags in (("gpu-check-quick", " --quick"), ("gpu-check", "")):
+        p = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+        command = f"env -u TORCH_EXTENSIONS_DIR {active}/python3 bench/gpu_check.py{flags}"
+        assert p.stdout.splitlines()[-1] == command, p.stdout
+
+
 def test_make_gpu_check_on_a_machine_without_a_gpu_is_one_line():
     """`make gpu-check` (README) on a CPU machine: one line saying there is no GPU and what to run instead,
     at once, and a non-zero status; bench/gpu_check.py run straight says the same in one line."""

@@ -24,9 +24,14 @@ def test_a_lora_target_the_model_lacks_is_named(tiny_model):
     ("q_proj,mlp", "mlp is a Qwen2MLP, not a linear layer"),
     ("0", "0 is a Qwen2DecoderLayer, not a linear layer"),
     ("", "--lora-targets '': an empty name"),
-    ("q_proj,", "--lora-targets 'q_proj,': an empty name")])
+    ("q_proj,", "--lora-targets 'q_proj,': an empty name"),
+    # the tiny model ties lm_head to the embedding: vLLM sampled with the unadapted head (logp off by 0.9)
+    ("q_proj,lm_head", "lm_head shares its weight with the embedding (tie_word_embeddings), which vLLM "
+                       "would use unadapted; adapt the other linear layers: down_proj, gate_proj, k_proj, "
+                       "o_proj, q_proj, up_proj, v_proj")])
 def test_a_lora_target_that_is_no_linear_layer_is_one_line(tiny_model, targets, expected):
-    """A norm, a decoder block or an empty name went through to peft, which raised a traceback."""
+    """A norm, a decoder block or an empty name went through to peft, which raised a traceback; a tied lm_head
+    through to a push that left it out."""
     with pytest.raises(SystemExit) as stop:
         load_policy(tiny_model, lora_rank=4, lora_targets=targets)
     message = str(stop.value.code)
