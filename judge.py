@@ -209,12 +209,15 @@ def split_test(test: str) -> tuple[ast.expr, list[str]]:
     (`node.jail`, its index). Refused: a test that is no assert, names nothing of the completion's, or
     needs a module (`collections.Counter(...)`, `math.x` outside MATH), a comprehension, a lambda, `*args`
     or a method outside METHODS on the trainer's side, or is nested deeper than TEST_DEPTH."""
-    # ast.parse builds its tree recursively: a test nested a thousand deep exhausts the recursion limit
+    # ast.parse builds its tree recursively (a test nested a thousand deep exhausts the recursion limit),
+    # and judge() too: what is left below TEST_DEPTH levels, counted level by level, is refused
     try:
-        body = ast.parse(test).body
+        body = level = ast.parse(test).body
+        for _ in range(TEST_DEPTH):
+            level = [child for node in level for child in ast.iter_child_nodes(node)]
     except RecursionError:
-        body = None
-    if body is None or nesting(body) > TEST_DEPTH:
+        level = [test]
+    if level:
         raise ValueError(f"nested more than {TEST_DEPTH} deep: the trainer cannot judge {test[:100]!r}...")
     if len(body) != 1 or not isinstance(body[0], ast.Assert):
         raise ValueError(f"not an assert: {test!r}")
@@ -290,14 +293,6 @@ def split_test(test: str) -> tuple[ast.expr, list[str]]:
         refuse("it names nothing of the completion's (a function named like a builtin is the builtin: "
                "name it otherwise)")
     return body[0].test, parts
-
-
-def nesting(nodes: list[ast.AST]) -> int:
-    """How deep the trees of `nodes` are, counted level by level, without recursion."""
-    depth = 0
-    while nodes:
-        depth, nodes = depth + 1, [child for node in nodes for child in ast.iter_child_nodes(node)]
-    return depth
 
 
 def free_names(node: ast.expr) -> set[str]:
