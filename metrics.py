@@ -280,9 +280,10 @@ class MetricsLog:
         os.makedirs(out_dir, exist_ok=True)
         # the run's files are written at the first row (open): after the checkpoint has loaded
         self.resume_step = resume_step
-        self.resolved = resolved = {"model": model, "task": task, "chat_template": chat_template, "out_dir": out_dir, "steps":
-                    steps, "tensorboard": tensorboard, "wandb": wandb, "log_completions": log_completions,
-                    "log_completions_every": log_completions_every, "log_every": log_every, **flags}
+        self.resolved = resolved = {
+            "model": model, "task": task, "chat_template": chat_template, "out_dir": out_dir, "steps": steps,
+            "tensorboard": tensorboard, "wandb": wandb, "log_completions": log_completions,
+            "log_completions_every": log_completions_every, "log_every": log_every, **flags}
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(out_dir)
