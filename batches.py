@@ -14,9 +14,11 @@ SUMMED = ("reward/errors", "batch/groups", "gen/samples", "data/prompts_seen")
 SLOWEST = ("gen/rounds", "time/gen_s", "time/ref_s", "sync/logp_diff", "ref/step")
 
 
-def merge_batches(parts):
+def merge_batches(parts, scale_rewards="group"):
     """The engines' batches -> one: sequences and fill in engine order, the metrics of the whole, with
-    gen/engines and time/gen_min_s (the fastest engine's time/gen_s; time/gen_s is the slowest's)."""
+    gen/engines and time/gen_min_s (the fastest engine's time/gen_s; time/gen_s is the slowest's).
+    scale_rewards "batch": each advantage (r - its group's mean) is divided by the std of every reward
+    sampled for the batch, by every engine in every round (TRL's batch scaling)."""
     if len({p["version"] for p in parts}) > 1:   # each had the same pushes before the same request
         raise RuntimeError(f"the engines sampled with different weight versions {[p['version'] for p in parts]}")
     metrics = [p["metrics"] for p in parts]
@@ -34,9 +36,26 @@ def merge_batches(parts):
             merged[k] = [row for rows in values for row in rows]
         else:
             merged[k] = sum(w * v for w, v in zip(weights, values)) / sum(weights)
-    merged.update({"gen/engines": len(parts), "time/gen_min_s": min(m["time/gen_s"] for m in metrics)})
-    return {"version": parts[0]["version"], "seqs": [s for p in parts for s in p["seqs"]],
-            "fill": [f for p in parts for f in p["fill"]], "pos": [p["pos"] for p in parts], "metrics": merged}
+    merged.update({"gen/engines": len(parts), "time/gen_min_s": min(m["time/gen_s"] for m in metrics),
+                   "reward/std": pooled_std(metrics)})
+    seqs = [s for p in parts for s in p["seqs"]]
+    if scale_rewards == "batch":
+        batch_std = merged["reward/std"] + 1e-4
+        for s in seqs:
+            s["adv"] /= batch_std
+        for row in merged["samples"]:
+            row["advantage"] /= batch_std
+    return {"version": parts[0]["version"], "seqs": seqs, "fill": [f for p in parts for f in p["fill"]],
+            "pos": [p["pos"] for p in parts], "metrics": merged}
+
+
+def pooled_std(metrics):
+    """The unbiased std of the engines' rewards together, from each one's count, mean and unbiased std."""
+    counts, means = [m["gen/samples"] for m in metrics], [m["reward/mean"] for m in metrics]
+    total = sum(n * x for n, x in zip(counts, means)) / sum(counts)
+    squares = sum((n - 1) * m["reward/std"] ** 2 + n * (x - total) ** 2
+                  for n, x, m in zip(counts, means, metrics))
+    return math.sqrt(squares / (sum(counts) - 1))
 
 
 def broadcast_json(obj, device, src=0):

@@ -100,16 +100,17 @@ class GenerationProcess:
     def __init__(self, rollout, reference, train_set, eval_set, state, policy, *, model, gen_device, gen_devices,
                  gen_mem, gen_kv_gb, threads, seed, max_prompt_len, max_new_tokens, prompts_per_step, rewards,
                  sync_tol, max_staleness, beta, ref_url, ref_device, ref_wait, eval_only, steps, ref_sync_every,
-                 out_dir, fp32_lm_head=False, gen_urls=None, gen_timeout=600.0, dist_timeout=60, **_):
+                 out_dir, fp32_lm_head=False, gen_urls=None, gen_timeout=600.0, dist_timeout=60,
+                 scale_rewards="group", **_):
         """rollout(llm, next_prompts, n_prompts) -> an engine's batch; reference(seqs) -> their reference
         log-probs, asked for (with --beta > 0) on the engine's scoring thread; state: the run's (data
         position, the reference's checkpoint); policy: the model the trainer starts from (its dtype is vLLM's; the
         reference servers must serve it); the rest are grpo_train.py's flags: gen_devices (or the one
         gen_device; or gen_urls, the vLLM servers, gen_timeout the bound of a request to one), rewards (eval
-        reports its first), max_staleness (batches asked for beyond the next step's), steps and ref_sync_every
-        (what the run will take, and when a reference reload comes between two requests), threads (each engine's
-        torch threads: a fresh process would take every core, and on CPU fight the trainer for them: the demo's
-        steps took 1.7x as long)."""
+        reports its first), scale_rewards (merge_batches's), max_staleness (batches asked for beyond the next
+        step's), steps and ref_sync_every (what the run will take, and when a reference reload comes between
+        two requests), threads (each engine's torch threads: a fresh process would take every core, and on
+        CPU fight the trainer for them: the demo's steps took 1.7x as long)."""
         from remote_engine import ServerError, trainer_address, world_sizes
         from weight_transfer import transfer_backend
         # where each engine is: a GPU index, or a vLLM server's URL (an engine process here drives it)
@@ -190,6 +191,7 @@ class GenerationProcess:
         # batches asked for and taken in this launch, and the most it takes: never more are asked for
         self.asked, self.taken = 0, 0
         self.total, self.ref_sync_every = 0 if eval_only else steps - state["step"], ref_sync_every
+        self.scale_rewards = scale_rewards
         # per pushed version: the optimizer steps behind it (policy_lag), its training step (evals), and
         # the engines' parts of its evaluation until all have answered
         self.opt_steps_at, self.step_at, self.eval_parts, self.evaluated = {}, {}, {}, -1
@@ -395,7 +397,8 @@ class GenerationProcess:
         while True:
             self._ask_for(self.taken + 1)
             # every engine had the same pushes before the same request: one version
-            batch = merge_batches([self._next_batch_of(i) for i in range(len(self.procs))])
+            batch = merge_batches([self._next_batch_of(i) for i in range(len(self.procs))],
+                                  self.scale_rewards)
             self.taken += 1
             # older than the protocol allows would be a bug here: dropped, counted, never trained on
             if self.version - batch["version"] <= self.ahead:

@@ -76,13 +76,13 @@ def get_args(argv=None):
     return parse_flags(add_system_args(p), argv)
 
 def advantages(scores, group_size, scale="group", std_floor=0.0):
-    """Flat rewards of N groups -> advantages (N, G) and has_signal (N,) (choice 2)."""
+    """Flat rewards of N groups -> advantages (N, G) and has_signal (N,) (choice 2); "batch" leaves
+    r - mean: batches.merge_batches divides by the std of every engine's rewards."""
     r = torch.tensor(scores, dtype=torch.float64).view(-1, group_size)   # (N, G)
     # unbiased std, as TRL; --scale-rewards none is Dr. GRPO's
     std = r.std(1, keepdim=True)                                          # (N, 1)
-    scale_by = {"group": std + 1e-4, "batch": r.std() + 1e-4, "none": torch.ones(())}[scale]
-    scale_by = torch.where(std < std_floor, 1.0, scale_by)                # (N, 1)
-    return (r - r.mean(1, keepdim=True)) / scale_by, std.squeeze(1) > 0
+    scale_by = torch.where(std < std_floor, 1.0, std + 1e-4)              # (N, 1)
+    return (r - r.mean(1, keepdim=True)) / (scale_by if scale == "group" else 1), std.squeeze(1) > 0
 
 def completion_logps(model, input_ids, attention_mask, n_completion, temperature=1.0, chunk=512,
                      entropy=False):

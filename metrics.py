@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from statistics import fmean as mean
+from statistics import fmean as mean, stdev
 
 import psutil
 import torch
@@ -17,9 +17,9 @@ from run_folder import clear_run, keep_rows
 
 
 def rollout_metrics(scored, advantages, rounds, n_kept, n_dropped, args):
-    """A batch's reward/*, completion_len/*, frac_zero_std, gen/rounds, gen/samples, batch/groups, and
-    "samples": max(2, --log-completions) of its rows (prompt, gold answer, completion, total reward, each
-    reward, advantage), spread over its groups (MetricsLog writes them to completions.jsonl, and
+    """A batch's reward/* (std: unbiased, as the advantages'), completion_len/*, frac_zero_std,
+    gen/rounds, gen/samples, batch/groups, and "samples": max(2, --log-completions) of its rows (prompt,
+    gold answer, completion, total reward, each reward, advantage), spread over its groups (MetricsLog writes them to completions.jsonl, and
     NoSignalWatch shows two). scored: (total reward, {reward name: value}, reward errors, vLLM completion,
     sample, completion text) of every sample; advantages: each one's, in the same order."""
     totals, parts, errors, completions, samples, texts = zip(*scored)
@@ -27,7 +27,7 @@ def rollout_metrics(scored, advantages, rounds, n_kept, n_dropped, args):
     picked = range(0, len(scored), max(1, len(scored) // n_samples))[:n_samples]
     metrics = {f"reward/{name}": mean([p[name] for p in parts]) for name in parts[0]}
     metrics.update({
-        "reward/mean": mean(totals), "reward/errors": sum(errors),
+        "reward/mean": mean(totals), "reward/std": stdev(totals), "reward/errors": sum(errors),
         "completion_len/mean": mean([len(c.token_ids) for c in completions]),
         "completion_len/truncated": mean([c.finish_reason == "length" for c in completions]),
         "frac_zero_std": n_dropped / (n_kept + n_dropped), "gen/rounds": rounds, "gen/samples": len(scored),

@@ -34,7 +34,6 @@ from tasks import DataError, drop_long_prompts, load_task
 # a split held out of the train data (no test split) is the same rows whatever --seed, so runs compare
 HOLD_OUT_SEED = 1234
 
-
 # the attention and MLP projections of Qwen2 and Llama
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
@@ -219,6 +218,8 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
                         f"{sync_every} steps: give a multiple of {sync_every} ({sync_every}, {2 * sync_every}, "
                         f"...)"),
         (temperature < 1e-3, "--temperature must be >= 0.001 (the log-probs are taken at it)"),
+        (std_floor > 0 and more.get("scale_rewards", "group") != "group",
+         "--std-floor needs --scale-rewards group: it spares a group the division by its own std"),
         (not 0 <= is_min < is_max, "--is-min must be >= 0 and below --is-max"),
         (off_policy_mask is not None and off_policy_mask < 0, "--off-policy-mask must be >= 0"),
         (lora_rank < 0 or (lora_alpha is not None and lora_alpha <= 0),
@@ -408,9 +409,8 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
         if len(rows) <= eval_size:
             stop_with(f"{source} has no test split and {len(rows)} distinct prompts: --eval-size {eval_size} "
                       f"held out of them would leave none to train on (pass a smaller --eval-size)")
-        prompts = list(rows)
-        order = random.Random(HOLD_OUT_SEED).sample(range(len(prompts)), len(prompts))
-        test = [rows[prompts[i]][0] for i in order[:eval_size]]
+        prompts = random.Random(HOLD_OUT_SEED).sample(list(rows), len(rows))
+        test = [rows[prompt][0] for prompt in prompts[:eval_size]]
         held_out = {s["prompt"] for s in test}
         repeats, train_all = len(train_all) - len(rows), [s for s in train_all if s["prompt"] not in held_out]
         folded = f"; split by prompt: {repeats} rows repeating a prompt folded into it" if repeats else ""

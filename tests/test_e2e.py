@@ -205,14 +205,16 @@ def test_variants_ppo_epochs_tis_overlong_truncation_dynamic_sampling(tmp_path, 
     when it was sampled a version earlier (policy_lag 1: the mismatch IS corrects). --max-new-tokens 5 cuts the
     three-digit answers (--mask-truncated leaves them out of the loss); --overlong-buffer 3 gives every
     completion (2 - n) / 3. --max-gen-rounds 4:
-    rounds of 16 prompts until 16 groups have unequal rewards, with Dr. GRPO scaling and a std floor, on two
-    engines (--gen-devices 0,1): each takes 8 prompts of every block of 16 it draws and fills its 8 groups."""
+    rounds of 16 prompts until 16 groups have unequal rewards, on two engines (--gen-devices 0,1): each takes
+    8 prompts of every block of 16 it draws and fills its 8 groups. --scale-rewards batch: every advantage is
+    r - its group's mean over the std of all the step's rewards, both engines' in every round (TRL's); each
+    step's completions.jsonl rows (--log-completions 1000: every sampled completion) show it."""
     _, rows = with_demo_settings(tmp_path, demo_model, "--steps", "6", "--eval-every", "0",
                                  "--num-iterations", "2", "--eps-low", "0.01", "--eps-high", "0.01", "--is-mode",
                                  "token-truncate", "--is-max", "2", "--overlong-buffer", "3",
                                  "--max-new-tokens", "5", "--mask-truncated", "--lr", "1e-3",
-                                 "--max-gen-rounds", "4", "--scale-rewards", "none", "--std-floor", "0.3",
-                                 "--gen-devices", "0,1")
+                                 "--max-gen-rounds", "4", "--scale-rewards", "batch", "--gen-devices", "0,1",
+                                 "--log-completions", "1000")
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert sum(r["clip/low"] + r["clip/high"] for r in rows) > 0   # the second epoch clipped something
     # policy_lag counts optimizer steps: a batch sampled one push before is 2 of them behind
@@ -226,6 +228,15 @@ def test_variants_ppo_epochs_tis_overlong_truncation_dynamic_sampling(tmp_path, 
     assert all(r["batch/groups"] == 16 for r in rows), [(r["batch/groups"], r["gen/rounds"]) for r in rows]
     assert max(r["gen/rounds"] for r in rows) > 1 and all(r["data/prompts_seen"] % 8 == 0 for r in rows)
     assert all(r["gen/engines"] == 2 and r["stale_dropped"] == 0 for r in rows)
+    completions = [json.loads(line) for line in (tmp_path / "completions.jsonl").open()]
+    for r in rows:
+        step = [c for c in completions if c["step"] == r["step"]]
+        rewards = torch.tensor([c["reward"] for c in step], dtype=torch.float64)
+        assert len(step) == r["gen/samples"] and rewards.std().item() == pytest.approx(r["reward/std"])
+        # each engine's rows in sampling order: groups of 8 in a row
+        centred = rewards.view(-1, 8) - rewards.view(-1, 8).mean(1, keepdim=True)
+        want = (centred.flatten() / (rewards.std() + 1e-4)).tolist()
+        assert [c["advantage"] for c in step] == pytest.approx(want, abs=1e-9)
 
 
 # ----------------------------------------------------------------------------- the real tasks, on the tiny model

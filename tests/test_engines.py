@@ -4,8 +4,10 @@ engine, and a short run on whichever vLLM is installed (`make test` runs the vLL
 import datetime
 import importlib.util
 import json
+import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -63,9 +65,9 @@ def test_a_saved_data_position_resumes_each_engine():
 
 
 def _part(seqs, version=3, **metrics):
-    base = {"reward/mean": 0.0, "reward/errors": 0, "gen/samples": 1, "gen/rounds": 1, "batch/groups": 1,
-            "data/prompts_seen": 0, "time/gen_s": 0.0, "time/ref_s": 0.0, "time/gen_idle_s": 0.0,
-            "sync/logp_diff": 0.0, "frac_zero_std": 0.0}
+    base = {"reward/mean": 0.0, "reward/std": 0.0, "reward/errors": 0, "gen/samples": 2, "gen/rounds": 1,
+            "batch/groups": 1, "data/prompts_seen": 0, "time/gen_s": 0.0, "time/ref_s": 0.0,
+            "time/gen_idle_s": 0.0, "sync/logp_diff": 0.0, "frac_zero_std": 0.0, "samples": []}
     return {"version": version, "seqs": seqs, "fill": [(len(seqs), False)], "pos": len(seqs) * 10,
             "metrics": {**base, **metrics}}
 
@@ -87,6 +89,25 @@ def test_the_engines_batches_join_in_engine_order_with_the_metrics_of_the_whole(
     assert m["time/gen_idle_s"] == 0.5 and m["sync/logp_diff"] == 3e-6 and m["gen/engines"] == 2
     with pytest.raises(RuntimeError, match="versions"):
         merge_batches([a, _part(["c"], version=2)])
+
+
+def test_batch_scaling_divides_by_the_std_of_every_engines_rewards():
+    """--scale-rewards batch, by hand: engine A scored rewards 0, 2 (one group), engine B 0, 0.2, 1, 1 (two
+    groups, the second with no signal, dropped). The batch's std is that of all six, sqrt(3.1 / 5) (unbiased:
+    mean 0.7, squares 0.49 + 1.69 + 0.49 + 0.25 + 0.09 + 0.09), not each engine's own (A's sqrt(2), B's
+    sqrt(0.83 / 3)). The logged rows' advantages are divided by it too."""
+    stats = lambda r: {"gen/samples": len(r), "reward/mean": statistics.fmean(r), "reward/std": statistics.stdev(r)}
+    a = _part([{"adv": -1.0}, {"adv": 1.0}], **stats([0, 2]), samples=[{"advantage": 1.0}])
+    b = _part([{"adv": -0.1}, {"adv": 0.1}], **stats([0, 0.2, 1, 1]), samples=[{"advantage": -0.1}])
+    got = merge_batches([a, b], "batch")
+    batch_std = math.sqrt(3.1 / 5)
+    assert got["metrics"]["reward/std"] == pytest.approx(batch_std, abs=1e-12)
+    assert [s["adv"] for s in got["seqs"]] == pytest.approx([x / (batch_std + 1e-4) for x in (-1, 1, -0.1, 0.1)])
+    assert [r["advantage"] for r in got["metrics"]["samples"]] == pytest.approx(
+        [1 / (batch_std + 1e-4), -0.1 / (batch_std + 1e-4)])
+    # group scaling (the default): the engines' advantages as they came
+    a = _part([{"adv": -1.0}], **stats([0, 2]))
+    assert merge_batches([a, b])["seqs"][0]["adv"] == -1.0
 
 
 class RankZeroAlone(GenerationProcess):

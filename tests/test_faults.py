@@ -453,6 +453,10 @@ OUT_OF_RANGE = [
     (["--eps-low", "-0.2"], "--eps-low must be >= 0"),
     (["--eps-high", "-0.2"], "--eps-high must be >= 0"),
     (["--std-floor", "-1"], "--std-floor must be >= 0"),
+    (["--std-floor", "0.3", "--scale-rewards", "batch"],
+     "--std-floor needs --scale-rewards group: it spares a group the division by its own std"),
+    (["--std-floor", "0.3", "--scale-rewards", "none"],
+     "--std-floor needs --scale-rewards group: it spares a group the division by its own std"),
     (["--sync-tol", "-0.1"], "--sync-tol must be >= 0"),
     (["--ref-wait", "-1"], "--ref-wait must be >= 0"),
     (["--dist-timeout", "0"], "--dist-timeout must be > 0"),
@@ -485,6 +489,7 @@ def test_the_edges_of_each_flags_range_pass(capsys):
     for flags in (["--beta", "0", "--eps-low", "0", "--eps-high", "0", "--std-floor", "0", "--sync-tol", "0",
                    "--ref-wait", "0", "--gen-kv-gb", "1", "--max-new-tokens", "1"],
                   ["--sync-every", "2", "--eval-every", "4"], ["--sync-every", "3", "--eval-every", "0"],
+                  ["--std-floor", "0.3", "--scale-rewards", "group"], ["--scale-rewards", "batch"],
                   ["--sync-every", "2", "--eval-every", "3", "--eval-only"]):
         check_config(1, **vars(get_args(["--model", "m/m", *flags])))
         assert "grpo_train.py: " in capsys.readouterr().out, flags
