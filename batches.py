@@ -52,8 +52,8 @@ def merge_batches(parts, scale_rewards="group"):
 def pooled_std(metrics):
     """The unbiased std of the engines' rewards together, from each one's count, mean and unbiased std."""
     counts, means = [m["gen/samples"] for m in metrics], [m["reward/mean"] for m in metrics]
-    total = sum(n * x for n, x in zip(counts, means)) / sum(counts)
-    squares = sum((n - 1) * m["reward/std"] ** 2 + n * (x - total) ** 2
+    overall = sum(n * x for n, x in zip(counts, means)) / sum(counts)
+    squares = sum((n - 1) * m["reward/std"] ** 2 + n * (x - overall) ** 2
                   for n, x, m in zip(counts, means, metrics))
     return math.sqrt(squares / (sum(counts) - 1))
 
