@@ -19,10 +19,17 @@ def vllm_weights(model, named=None):
         return named
     from peft.tuners.lora import LoraLayer
     with torch.no_grad():
-        merged = {f"{name}.base_layer.weight": layer.base_layer.weight + sum(map(layer.get_delta_weight,
-                                                                                   layer.active_adapters))
+        merged = {f"{name}.base_layer.weight": merged_weight(layer)
                   for name, layer in model.named_modules() if isinstance(layer, LoraLayer)}
     return [(name.replace(".base_layer.", "."), merged.get(name, w)) for name, w in named if ".lora_" not in name]
+
+
+def merged_weight(layer):
+    """A linear layer's weight as a push sends it to vLLM: with LoRA adapters (peft's LoraLayer), a new tensor
+    W + scale B A, through which the adapters get their gradients; the layer's own weight otherwise."""
+    if not hasattr(layer, "get_delta_weight"):
+        return layer.weight
+    return layer.base_layer.weight + sum(map(layer.get_delta_weight, layer.active_adapters))
 
 
 def base_model_view(model):

@@ -20,7 +20,7 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine_process import import_vllm
-from lora import adapter_targets
+from lora import adapter_targets, merged_weight
 from placement import (REF_GEN_MEM, SHARED_GEN_MEM, first_rank, free_port, master_store,
                        reference_beside_engine, reference_device, stop_with, training_gpus)
 from rewards import parse_reward_spec
@@ -348,11 +348,11 @@ def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_ta
 
 
 def head_in_fp32(head):
-    """--fp32-lm-head: the lm_head's product in fp32, its bf16 input and weight cast up, as vLLM 0.32
-    computes it with head_dtype float32 (vllm/model_executor/layers/logits_processor.py). The weight
-    stays the model's (tied or not) and gets its gradient in its own dtype."""
+    """--fp32-lm-head: the lm_head's product in fp32, its bf16 input and weight cast up, as vLLM 0.32 with
+    head_dtype float32 (vllm/model_executor/layers/logits_processor.py). The weight stays the model's (tied
+    or not; LoRA-adapted: merged, as pushed) and gets its gradient (its adapters') in its own dtype."""
     bias = lambda: None if head.bias is None else head.bias.float()
-    head.forward = lambda h: torch.nn.functional.linear(h.float(), head.weight.float(), bias())
+    head.forward = lambda h: torch.nn.functional.linear(h.float(), merged_weight(head).float(), bias())
 
 
 def deepspeed_config(ds_config_path, micro_batch, bf16, world):

@@ -50,7 +50,6 @@ import time
 
 from _common import ROOT, random_model, stop_at_random_lengths
 from gpu_bench import CONFIGS, VOCAB, train_flops
-from placement import held_port
 from plot import step_lines
 
 # The GPU recipe's shape (docs/gpu.md); --tiny: small enough for a CPU, with every stage still run.
@@ -94,6 +93,7 @@ def run_grpo(a, s, model, out, gpus):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     deepspeed = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or "deepspeed"
     # the launcher's port, held until the run ends: the trainer's rendezvous binds it once it has started
+    from placement import held_port   # here: placement imports torch, which --help need not wait for
     hold, port = held_port()
     train_cmd = [deepspeed, "--master_port", str(port), "grpo_train.py", "--model", model,
                  "--task", "countdown", "--rewards", "countdown,format:0.5", "--out-dir", out,

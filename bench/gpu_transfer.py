@@ -25,7 +25,6 @@ import time
 
 from _common import ROOT, machine, print_table, random_config, random_model, timed
 from gpu_bench import CONFIGS, VOCAB
-from placement import free_port
 
 
 def shapes(config):
@@ -39,6 +38,7 @@ def shapes(config):
 
 def part_ref(a, config, device):
     import torch
+    from placement import free_port
     from ref_client import ref_logps, wait_for_server
     from ref_server import compute_logps, load_model
     with tempfile.TemporaryDirectory() as tmp, open(os.path.join(tmp, "server.log"), "w+") as log:
@@ -96,6 +96,7 @@ def broadcast_child(rank, port, shp, reps, out):
 def part_sync(a, config):
     import torch
     import torch.multiprocessing as mp
+    from placement import free_port
     shp = shapes(config)
     gpu = torch.cuda.is_available()
     nbytes = sum(torch.Size(s).numel() for s in shp.values()) * 2

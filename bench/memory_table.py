@@ -8,8 +8,6 @@ estimator's model states for the adapters alone. ESTIMATES, not measurements: th
 """
 import argparse
 
-from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
 # parameter counts (tied embeddings counted once) from the models' config.json on the Hugging Face hub
 MODELS = {"Qwen2.5-0.5B": 494e6, "Qwen2.5-1.5B": 1.54e9, "Qwen2.5-3B": 3.09e9, "Qwen2.5-7B": 7.62e9}
 # (layers, hidden, key/value width, MLP width) from the same config.json files: what LoRA adapts
@@ -27,6 +25,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 6], help="training GPU counts to show")
     a = p.parse_args()
+    # after the parse: deepspeed takes seconds to import, which --help need not wait for
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
     gib = 2 ** 30
     print("GiB per training GPU, ZeRO-2 model states (DeepSpeed's estimator, bf16 + fp32 master + Adam);")
     print("offload = ds_config_offload.json (optimizer on the CPU; CPU RAM needed in brackets)")

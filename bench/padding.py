@@ -25,7 +25,6 @@ import os
 import random
 
 from _common import ROOT, print_table
-from batches import micro_batches, pad_batch
 from tasks import chat_prompt, data_file, read_records
 
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data", "gsm8k")
@@ -48,6 +47,8 @@ def stand_in_lengths(data, tokenizer):
 
 def count(plan):
     """plan: each rank's [(micro-batch, weight)] -> (real tokens, padded positions, positions with waits)."""
+    # imported here and in main: batches imports torch, which --help need not wait for
+    from batches import pad_batch
     real = padded = waits = 0
     for round_ in zip(*plan):
         positions = []
@@ -81,6 +82,7 @@ def main():
     else:
         from demo.tiny_model import build_tokenizer
         tokenizer = build_tokenizer()
+    from batches import micro_batches
     prompt_lens, completion_lens = stand_in_lengths(a.data, tokenizer)
     rng = random.Random(a.seed)
     batches = []

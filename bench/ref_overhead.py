@@ -22,13 +22,13 @@ import sys
 import tempfile
 
 from _common import BIG, ROOT, demo_model, machine, print_table, random_model, timed
-from placement import free_port
 
 TOKEN = "bench"
 
 
 def start_server(server, path, a, log):
     """`server` (a ref_server.py) on `path`, /reload on for the folder holding `path` -> (process, url)."""
+    from placement import free_port   # here: placement imports torch, which --help need not wait for
     from ref_client import RefServerError, wait_for_server
     url = f"http://127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, server, "--model", path, "--port", url.rsplit(":", 1)[1],

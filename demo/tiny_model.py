@@ -39,12 +39,13 @@ def build_tokenizer(size=None) -> PreTrainedTokenizerFast:
                                    unk_token="<unk>", chat_template=CHAT_TEMPLATE)
 
 
-def build_model(tokenizer, *, hidden=128, layers=2, heads=4, intermediate=None, seed=0) -> Qwen2ForCausalLM:
-    """intermediate: MLP width (4 * hidden when None)."""
+def build_model(tokenizer, *, hidden=128, layers=2, heads=4, intermediate=None, seed=0,
+                tie_word_embeddings=True) -> Qwen2ForCausalLM:
+    """intermediate: MLP width (4 * hidden when None); tie_word_embeddings=False: an lm_head of its own."""
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         max_position_embeddings=1024, tie_word_embeddings=True,
+                         max_position_embeddings=1024, tie_word_embeddings=tie_word_embeddings,
                          bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     return Qwen2ForCausalLM(config).float()

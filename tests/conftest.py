@@ -1,7 +1,9 @@
+import contextlib
 import fcntl
 import glob
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -78,6 +80,29 @@ def no_allreduce_buffer_left(port):
     """No DeepSpeed CPU all-reduce buffer (one per rank in /dev/shm, named after the launch's port) is there:
     the trainer does not build the op that makes them (run_setup.skip_shm_allreduce_op)."""
     return not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+
+
+def sigkill_group(group):
+    """SIGKILL to every process of process group `group`, as a job killed without warning, then the named
+    semaphores they held removed from /dev/shm -> those semaphores' paths. Rank 0's queues to its engines
+    (generation.py: multiprocessing's spawn context) are named, /dev/shm/sem.mp-*; Python's resource tracker
+    removes them once their processes end, but it is rank 0's child, in the group, and dies with it. A file is
+    matched by its inode among the group's memory maps (which show the file glibc created before linking it
+    under its name), so another process's semaphores are never touched."""
+    held = set()
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):   # a process that ended meanwhile
+            if os.getpgid(pid) == group:
+                with open(f"/proc/{pid}/maps") as maps:
+                    held |= {int(line.split()[4]) for line in maps if " /dev/shm/sem." in line}
+    os.killpg(group, signal.SIGKILL)
+    removed = []
+    for path in glob.glob("/dev/shm/sem.mp-*"):
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino in held:
+                os.unlink(path)
+                removed.append(path)
+    return removed
 
 
 @pytest.fixture(scope="session")

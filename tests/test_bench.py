@@ -1,7 +1,7 @@
 """The benchmarks stay runnable: the GPU check's tiny CPU mode end to end (gpu_bench.py with real vLLM and
 real DeepSpeed, then a short GRPO run), the MFU formula's arithmetic, the overlap report's arithmetic on a
 metrics file whose answer is known, the padding count on GSM8K lengths, the step-time model's arithmetic,
-and every bench script's --help."""
+and every bench and tools script's --help, printed before torch is imported."""
 import json
 import os
 import re
@@ -13,6 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 SCRIPTS = sorted(f for f in os.listdir(BENCH) if f.endswith(".py") and not f.startswith("_"))
+TOOLS = sorted(f for f in os.listdir(os.path.join(ROOT, "tools")) if f.endswith(".py"))
 
 
 def run(*args, timeout=900):   # gpu_bench.py sets TORCH_EXTENSIONS_DIR for its children; the trainer its own
@@ -27,10 +28,17 @@ def table_rows(out):
     return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_every_bench_has_help(script):
-    out = run(os.path.join("bench", script), "--help", timeout=120)
-    assert "usage: " + script in out   # (deepspeed may print a warning first)
+@pytest.mark.parametrize("script", [f"bench/{s}" for s in SCRIPTS] + [f"tools/{s}" for s in TOOLS])
+def test_every_script_prints_its_help_before_importing_torch(script):
+    """`--help` at once: torch, vLLM and DeepSpeed (seconds to import) come after the parse. Five bench scripts
+    imported torch or deepspeed first; tools/script_figures.py read --help as a file's name (a traceback)."""
+    p = subprocess.run([sys.executable, "-X", "importtime", script, "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and "usage: " + os.path.basename(script) in p.stdout, p.stderr[-3000:]
+    # -X importtime writes a line per module imported, its name last
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in p.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert not imported & {"torch", "vllm", "deepspeed"}, sorted(imported & {"torch", "vllm", "deepspeed"})
 
 
 def test_gpu_check_tiny_mode_runs_on_cpu(tmp_path):

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import demo_settings, next_port, no_allreduce_buffer_left, rank_zero, running
+from conftest import demo_settings, next_port, no_allreduce_buffer_left, rank_zero, running, sigkill_group
 from metrics import FIRST_STEP_KL
 from test_metrics import WARNING
 
@@ -461,7 +461,7 @@ def test_the_documented_lines_as_written_two_at_once_eval_only_and_ctrl_c(tmp_pa
         own_data.wait(timeout=600)
     finally:
         if own_data.poll() is None:
-            os.killpg(own_data.pid, signal.SIGKILL)
+            sigkill_group(own_data.pid)
     out = open(log.name).read()
     assert own_data.returncode == 0, out[-5000:]
     run = root / "runs" / "sums"
@@ -528,7 +528,7 @@ def stopped_by_ctrl_c(root, env, tmp_path):
             time.sleep(0.5)
     finally:
         if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
+            sigkill_group(run.pid)
     assert not [p.pid for p in family if running(p)]
     out = open(log.name).read()
     stopped = [i for i, x in enumerate(out.splitlines()) if x.startswith("stopped after step ")]

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import next_port, no_allreduce_buffer_left, rank_zero, running
+from conftest import next_port, no_allreduce_buffer_left, rank_zero, running, sigkill_group
 from test_metrics import WARNING
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +39,7 @@ def kill_leftover_runs():
                 groups |= {os.getpgid(p.pid) for p in family_of(proc.pid)}
             for group in groups:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(group, signal.SIGKILL)
+                    sigkill_group(group)
             proc.wait()
 
 
@@ -375,18 +375,20 @@ def test_sigterm_while_a_background_demo_starts_its_launcher_ends_it(tmp_path, d
 
 
 def test_resume_after_sigkill_continues_the_run_and_samples_from_the_checkpoint(tmp_path, demo_model):
-    """SIGKILL to every process after step 5 (checkpoints every 2 steps); --resume continues after the latest
-    checkpoint with its data position, counters and metrics, and ends with steps 1..20, each once. (20
-    steps: the run is still far from its end when the test sees step 5 and kills it.) Both runs check
-    themselves and say nothing: at step 1 the policy is the reference (the server rank 0 started) and sampled
-    the batch, so the KL and the trainer/vLLM gap are rounding. The resumed run's first batch comes with the
-    probe the engine measured on the weights it sampled it with: the checkpoint's (scored here by
-    transformers), not the starting model's."""
+    """SIGKILL to every process after step 5 (checkpoints every 2 steps), the semaphores that leaves removed
+    (conftest.sigkill_group); --resume continues after the latest checkpoint with its data position,
+    counters and metrics, and ends with steps 1..20, each once. (20 steps: the run is still far from its end
+    when the test sees step 5 and kills it.) Both runs check themselves and say nothing: at step 1 the policy
+    is the reference (the server rank 0 started) and sampled the batch, so the KL and the trainer/vLLM gap are
+    rounding. The resumed run's first batch comes with the probe the engine measured on the weights it
+    sampled it with: the checkpoint's (scored here by transformers), not the starting model's."""
     flags = ["--beta", "0.04", "--steps", "20", "--save-every", "2", "--lr", "1e-3"]
     port = next_port()
     proc = launch(tmp_path, demo_model, *flags, port=port)
     wait_for_step(proc, tmp_path, 5)
-    os.killpg(proc.pid, signal.SIGKILL)   # the whole process group: a job killed without warning
+    # the whole process group: a job killed without warning. Rank 0's queues to its engine (3 of 3 named
+    # semaphores) outlive it in /dev/shm, as its resource tracker dies with it: removed
+    assert len(sigkill_group(proc.pid)) >= 9
     proc.wait()
     # no rank made DeepSpeed's CPU all-reduce buffer (66 MB in /dev/shm, for its inference op), or left it
     assert no_allreduce_buffer_left(port)

@@ -76,3 +76,31 @@ def test_the_push_sends_peft_merged_weights_under_the_base_models_names(tiny_mod
         torch.testing.assert_close(w, merged[name], rtol=1e-6, atol=1e-6)
     assert max((w - dict(base.named_parameters())[n]).abs().max().item() for n, w in sent) > 1e-3
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.fixture(scope="module")
+def untied_model(tmp_path_factory):
+    """The tiny model with an lm_head of its own (tie_word_embeddings=False, as Qwen2.5-7B)."""
+    from demo.tiny_model import build_model, build_tokenizer, save
+    tok = build_tokenizer()
+    model = build_model(tok, seed=0, tie_word_embeddings=False)
+    return save(model, tok, str(tmp_path_factory.mktemp("untied")))
+
+
+def test_an_fp32_lm_head_computes_with_its_adapter(untied_model):
+    """--fp32-lm-head with lm_head among --lora-targets, on a model whose lm_head is its own: the trainer's
+    log-probs are those of the merged weights a push sends vLLM, and the head's adapter gets gradients. The
+    fp32 head computed with the base weight alone (up to 1.5 nats from the merged model's; no gradient)."""
+    ids = torch.randint(10, 60, (3, 16), generator=torch.Generator().manual_seed(0))
+    model, _ = load_policy(untied_model, lora_rank=4, lora_targets="q_proj,lm_head", fp32_lm_head=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    logps = completion_logps(model, ids, torch.ones_like(ids), 8)
+    pushed = AutoModelForCausalLM.from_pretrained(untied_model)
+    pushed.load_state_dict(dict(vllm_weights(model)))
+    torch.testing.assert_close(logps.detach(), completion_logps(pushed, ids, torch.ones_like(ids), 8))
+    logps.sum().backward()
+    head = {n: p.grad for n, p in model.named_parameters() if n.startswith("lm_head.lora_")}
+    assert len(head) == 2 and all(g is not None and g.abs().max() > 0 for g in head.values()), head

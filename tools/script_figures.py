@@ -4,9 +4,10 @@ kind at the end of a line is a tensor's shape, as in `# (B, T)`).
 
     python tools/script_figures.py [FILE]
 """
+import argparse
 import io
+import os
 import re
-import sys
 import tokenize
 
 LIMITS = {"lines": 300, "characters": 20000, "widest line": 100}
@@ -32,7 +33,11 @@ def figures(path):
 
 
 def main(argv=None):
-    path = (argv or sys.argv[1:] or ["grpo_train.py"])[0]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("file", nargs="?", default="grpo_train.py", help="the file to measure (grpo_train.py)")
+    path = p.parse_args(argv).file
+    if not os.path.isfile(path):
+        p.error(f"{path}: no such file")
     got = figures(path)
     for key, value in got.items():
         limit = LIMITS.get(key)
