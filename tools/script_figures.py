@@ -2,13 +2,15 @@
 20,000 characters and 100 columns, and comments on their own line above the block they explain (the one
 kind at the end of a line is a tensor's shape, as in `# (B, T)`).
 
-    python tools/script_figures.py [FILE]
+    python tools/script_figures.py [FILE]    (FILE: this repository's grpo_train.py unless given)
 """
 import io
+import os
 import re
 import sys
 import tokenize
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMITS = {"lines": 300, "characters": 20000, "widest line": 100}
 SHAPE = re.compile(r"# \([\w ,+*]*\)$")
 
@@ -32,7 +34,9 @@ def figures(path):
 
 
 def main(argv=None):
-    path = (argv or sys.argv[1:] or ["grpo_train.py"])[0]
+    path = (argv or sys.argv[1:] or [os.path.join(ROOT, "grpo_train.py")])[0]
+    if not os.path.isfile(path):
+        raise SystemExit(f"script_figures.py: {path}: no such file")
     got = figures(path)
     for key, value in got.items():
         limit = LIMITS.get(key)
