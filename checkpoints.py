@@ -4,6 +4,7 @@ complete one. With LoRA, step_N also holds step_N/adapter (peft's format: load i
 peft.PeftModel.from_pretrained), DeepSpeed's files hold the adapters alone, and the model's place holds the
 merged model, so that a step folder loads, serves and evaluates as any model does (--eval-only --model
 step_N). grpo_train.py uses it; read that first."""
+import contextlib
 import fcntl
 import json
 import os
@@ -11,6 +12,7 @@ import pickle
 import re
 import signal
 
+import psutil
 import torch.distributed as dist
 from safetensors.torch import save_file
 
@@ -276,7 +278,8 @@ class StopAfterStep:
     rank too. So a rank may get SIGTERM twice for one stop, up to 30 s apart: SIGTERM only ever asks. Rank 0
     makes the stop (it takes no more batches). The engines ignore SIGINT (run_setup.init_distributed) but
     die of the launcher's SIGTERM: once stopping, rank 0 waits for none of them (`wait`). Built on every rank
-    before the loop (the launcher is alive then)."""
+    before the loop (the launcher is alive then). Another rank passes its first request on to rank 0, as
+    SIGTERM, where rank 0 runs beside it (ask_rank_zero); one that rank 0 got too is asked once all the same."""
 
     def __init__(self):
         from run_config import launch_command
@@ -299,6 +302,8 @@ class StopAfterStep:
             again = " (Ctrl-C again: at once)" if ctrl_c else ""
             if dist.get_rank() == 0:
                 print(f"\n{self.asked_by}: the run stops after this step, with a checkpoint{again}", flush=True)
+            else:
+                ask_rank_zero()
 
     def ending(self):
         """-> None while the run goes on; after a stop, (what asked for it, the line that continues it)."""
@@ -316,6 +321,14 @@ class StopAfterStep:
                 raise
             return None
         return None if self.requested else value
+
+
+def ask_rank_zero():
+    """Another rank's stop: a SIGTERM to rank 0 (which only ever asks for the stop), found among this rank's
+    siblings under the launcher (its RANK); on another node, where rank 0 is not one, the stop asks nothing."""
+    with contextlib.suppress(psutil.Error, AttributeError, StopIteration):   # no launcher, or rank 0 gone
+        siblings = psutil.Process().parent().children()
+        next(p for p in siblings if p.environ().get("RANK") == "0").send_signal(signal.SIGTERM)
 
 
 def save_on_stop(engine, tokenizer, out_dir, state, keep):

@@ -28,6 +28,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_FLAGS = ["--task", "demo", "--rewards", "demo", "--lr", "3e-4", "--beta", "0.04",
                "--prompts-per-step", "16", "--group-size", "8", "--max-new-tokens", "12",
                "--max-prompt-len", "16", "--temperature", "1.0", "--micro-batch", "64", "--eval-size", "200"]
+# What ends the demo: Ctrl-C, SIGTERM, and SIGHUP (its terminal closed; left ignored under nohup). Each stops
+# every process it started.
+STOPS = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN
+                                           else [])
+# deepspeed's launcher, started with Ctrl-C ignored (as nohup starts a command with SIGHUP ignored), which the
+# processes it starts inherit: its runner (bin/deepspeed) never takes one, where it printed a KeyboardInterrupt
+# traceback (deepspeed 0.19.8, runner.py); its launch.py takes one once it has started the ranks (and passes
+# it on to them as SIGTERM), and each rank once in its loop (checkpoints.StopAfterStep)
+IGNORING_CTRL_C = ["sh", "-c", 'trap "" INT; exec "$0" "$@"']
 
 
 def group_ended(group, timeout):
@@ -44,6 +53,40 @@ def group_ended(group, timeout):
     return True
 
 
+def catches(pid, signum):
+    """Whether process `pid` has a handler of its own for signal `signum` (Linux: SigCgt of /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(line.split()[1] for line in f if line.startswith("SigCgt:"))
+    return bool(int(caught, 16) >> (signum - 1) & 1)
+
+
+def pass_on(run, again):
+    """Pass a stop of the demo's on to the launch `run` (the launcher, in a process group of its own): as a
+    Ctrl-C once its launch.py takes one, as a terminal passes one to a launch by hand (docs/checkpoints.md: the
+    ranks finish the step, save it and print the line that continues the run; a second stops them at once,
+    where a second SIGTERM would not: a rank's second may be the launcher's own).
+    Before that no rank has reached its loop, so there is nothing to save: SIGTERM (SIGKILL for a second stop),
+    which ends each process of the group where it is, the launcher's own start-up included."""
+    try:
+        launch = [p for p in psutil.Process(run.pid).children() if "deepspeed.launcher.launch" in p.cmdline()]
+        heard = any(catches(p.pid, signal.SIGINT) for p in launch)
+    except (psutil.Error, OSError):   # it ended while we looked
+        heard = False
+    with contextlib.suppress(ProcessLookupError):   # the run has ended
+        os.killpg(run.pid, signal.SIGINT if heard else signal.SIGKILL if again else signal.SIGTERM)
+
+
+def given_beta(extra):
+    """The --beta that grpo_train.py gets from the flags after `--` (the last one wins, as TRAIN_FLAGS' goes
+    before them, and before a --config file's), or None where they give none (or not a number)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--beta")
+    beta = p.parse_known_args(extra)[0].beta
+    with contextlib.suppress(TypeError, ValueError):
+        return float(beta)
+    return None
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -57,13 +100,16 @@ def main(argv=None):
     p.add_argument("--ref-servers", type=int, default=1,
                    help="reference servers (each on a port of its own; the batch is split across them)")
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if a.ref_servers > 1 and given_beta(extra) == 0:
+        raise SystemExit(f"run_demo: --ref-servers {a.ref_servers} starts reference servers, but --beta 0 trains "
+                         f"without a reference: drop --ref-servers, or give --beta > 0")
     t_start = time.time()
-    # until the launch, SIGTERM ends the demo the way Ctrl-C does, by raising, so the `finally`s below stop
-    # what it started
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    # Ctrl-C raises here, and the processes started below take its default action, even where this one
-    # was started with it ignored (a background job of a shell script): the demo passes its stops on as
-    # a Ctrl-C, which the launcher must not ignore
+    # until the launch, SIGTERM and SIGHUP end the demo the way Ctrl-C does, by raising, so the `finally`s
+    # below stop what it started
+    for sig in STOPS[1:]:
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+    # Ctrl-C raises here, and the model's build and the reference servers started below take its default
+    # action, even where this one was started with it ignored (a background job of a shell script)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     out = os.path.abspath(a.out_dir)
     model_dir = a.model or os.path.join(out, "model")
@@ -92,53 +138,57 @@ def main(argv=None):
     *server_ports, master_port = [port for _, port in holds]
     urls = [f"http://127.0.0.1:{port}" for port in server_ports]
     env["REF_SERVER_TOKEN"] = secrets.token_hex(16)
-    servers = [subprocess.Popen([sys.executable, "ref_server.py", "--model", model_dir, "--port", url.rsplit(":", 1)[1],
-                                 "--threads", "1", "--checkpoint-dir", out], cwd=ROOT, env=env) for url in urls]
     # the demo rebuilds its model, so the previous demo's run in --out-dir is replaced unless resumed
     fresh = [] if "--resume" in extra else ["--overwrite"]
+    servers, run, stopped = [], None, []
     try:
+        for url in urls:
+            servers.append(subprocess.Popen([sys.executable, "ref_server.py", "--model", model_dir, "--port",
+                                             url.rsplit(":", 1)[1], "--threads", "1", "--checkpoint-dir", out],
+                                            cwd=ROOT, env=env))
+        # from here on a stop is only recorded, and the loops below pass it on: one that comes at any moment,
+        # the launch's own included, reaches the launch
+        for sig in STOPS:
+            signal.signal(sig, lambda signum, frame: stopped.append(signum))
         deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
         # the launcher at --log_level warning: its INFO lines (its environment, each rank's command) are for
         # debugging the launcher; its warnings and errors still show
-        run = subprocess.Popen([deepspeed, "--log_level", "warning", "--num_gpus", str(a.world_size),
-                                "--master_port", str(master_port),
+        run = subprocess.Popen([*IGNORING_CTRL_C, deepspeed, "--log_level", "warning",
+                                "--num_gpus", str(a.world_size), "--master_port", str(master_port),
                                 "grpo_train.py", "--model", model_dir, "--out-dir", out,
                                 *(["--ref-url", ",".join(urls)] if urls else []),
                                 "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
                                 *TRAIN_FLAGS, *fresh, *extra], cwd=ROOT, env=env, start_new_session=True)
-        # Ctrl-C reaches this process's group, not the launcher's: each one is passed on, as a terminal
-        # passes it to a launch by hand (docs/checkpoints.md: the ranks finish the step, save it and print
-        # the line that continues the run; a second stops at once). A SIGTERM is passed on as a Ctrl-C too,
-        # so that its second stops at once as well (a rank's second SIGTERM may be the launcher's own)
-        stopped = []
-
-        def pass_on(signum, frame):
-            stopped.append(signum)
-            with contextlib.suppress(ProcessLookupError):   # the run has ended
-                os.killpg(run.pid, signal.SIGINT)
-        signal.signal(signal.SIGINT, pass_on)
-        signal.signal(signal.SIGTERM, pass_on)
-        try:
-            # a server that dies stops the run now, not after --ref-wait (once stopping, the servers in
-            # this process's group may end at the same signal)
-            while run.poll() is None and not stopped:
-                for server in servers:
-                    if server.poll() is not None and not stopped:
-                        raise SystemExit(f"run_demo: ref_server.py exited with code {server.returncode} (its error "
-                                         f"is above)")
-                time.sleep(0.5)
-            # the ranks save after a stop: wait for the launcher's whole group, from the signal on
-            if stopped:
-                if not group_ended(run.pid, timeout=90):
+        # a server that dies stops the run now, not after --ref-wait (once stopping, the servers in this
+        # process's group may end at the same signal)
+        while run.poll() is None and not stopped:
+            for server in servers:
+                if server.poll() is not None and not stopped:
+                    raise SystemExit(f"run_demo: ref_server.py exited with code {server.returncode} (its error "
+                                     f"is above)")
+            time.sleep(0.2)
+        # the ranks save after a stop: wait for the launcher's whole group, from the signal on, passing each
+        # stop on as it comes (a second stops the ranks at once)
+        passed, deadline = 0, time.time() + 90
+        while passed < len(stopped) or stopped and not group_ended(run.pid, timeout=0.2):
+            if passed < len(stopped):
+                pass_on(run, again=passed > 0)
+                passed += 1
+            elif time.time() > deadline:
+                with contextlib.suppress(ProcessLookupError):   # it ended meanwhile
                     os.killpg(run.pid, signal.SIGKILL)
-                raise SystemExit(128 + stopped[0])
-            if run.returncode != 0:
-                raise SystemExit(f"run_demo: grpo_train.py failed (exit code {run.returncode})")
-        finally:
-            if run.poll() is None:
-                os.killpg(run.pid, signal.SIGTERM)
-                run.wait(timeout=60)
+                break
+        if stopped:
+            raise SystemExit(128 + stopped[0])
+        if run.returncode != 0:
+            raise SystemExit(f"run_demo: grpo_train.py failed (exit code {run.returncode})")
     finally:
+        if run is not None and not group_ended(run.pid, timeout=0):
+            with contextlib.suppress(ProcessLookupError):   # it ended meanwhile
+                os.killpg(run.pid, signal.SIGTERM)
+            if not group_ended(run.pid, timeout=60):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(run.pid, signal.SIGKILL)
         for server in servers:
             server.terminate()
             server.wait(timeout=30)

@@ -43,14 +43,15 @@ def kill_leftover_runs():
             proc.wait()
 
 
-def launch(out_dir, model, *flags, port=None, launcher=False):
-    """A small run in a process group of its own: through deepspeed's launcher, or (where the launcher is not
-    what the test is about) rank 0 alone, as the launcher would start it (conftest.rank_zero)."""
+def launch(out_dir, model, *flags, port=None, launcher=False, ranks=1):
+    """A small run in a process group of its own: through deepspeed's launcher (with `ranks` training ranks),
+    or (where the launcher is not what the test is about) rank 0 alone, as the launcher would start it
+    (conftest.rank_zero)."""
     port = port or next_port()
     args = ["--model", model, "--out-dir", str(out_dir), "--prompts-per-step", "4", "--group-size", "4",
             "--max-new-tokens", "8", "--max-prompt-len", "16", "--eval-size", "8", *flags]
     if launcher:
-        cmd, env = [DEEPSPEED, "--num_gpus", "1", "--master_port", str(port), "grpo_train.py", *args], None
+        cmd, env = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(port), "grpo_train.py", *args], None
     else:
         cmd, env = rank_zero(*args, port=port)
     log = open(os.path.join(out_dir, "run.log"), "w")   # a file, not a pipe: a full pipe would stall the run
@@ -294,17 +295,22 @@ def test_sigterm_to_the_deepspeed_launcher_stops_every_process(tmp_path, tiny_mo
             assert sign not in said, said[-3000:]
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "ref server dies"])
+TRACEBACKS = ("Traceback", "terminate called", "Exception ignored")
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGHUP", "Ctrl-C twice", "ref server dies"])
 def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, how):
-    """SIGTERM to run_demo's process group (with two reference servers of the demo's own, which end at it),
-    or the reference server (which rank 0 started) killed: the reference servers, the launcher, the ranks
-    and vLLM all end (the last within seconds, not after --ref-wait). run_demo passes a SIGTERM on to the
-    launcher's group as a Ctrl-C, so the run stops as a launch by hand does: the ranks finish the step, save
-    it and print the line that continues the run; the only traceback is the launcher's own
-    KeyboardInterrupt. (A Ctrl-C takes the same path, pass_on, exiting 130.) However it stops, no process is
-    reported to have leaked a semaphore."""
-    # with SIGTERM, two reference servers of the demo's own: in its process group, they end at the signal too
-    servers = ["--ref-servers", "2"] if how == "SIGTERM" else []
+    """SIGTERM to run_demo's process group, or SIGHUP, as a shell sends it to its jobs when its terminal closes
+    (with two reference servers of the demo's own, which end at it), or the reference server (which rank 0
+    started) killed: the reference servers, the launcher, the ranks and vLLM all end (the last within seconds,
+    not after --ref-wait). run_demo passes a SIGTERM or a SIGHUP on to the launcher's group as a Ctrl-C, so the
+    run stops as a launch by hand does: the ranks finish the step, save it and print the line that continues
+    the run. Ctrl-C twice (to the demo's group, as a terminal sends it), the second once the first's checkpoint
+    is saved, while the ranks shut down: the demo exits with code 130. However it stops, no process prints a
+    traceback (the launcher's runner printed one at each Ctrl-C) or is reported to have leaked a semaphore."""
+    # with SIGTERM and SIGHUP, two reference servers of the demo's own: in its process group, they end at the
+    # signal too
+    servers = ["--ref-servers", "2"] if how in ("SIGTERM", "SIGHUP") else []
     log = open(tmp_path / "run.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "demo.run_demo", "--model", demo_model, "--out-dir", str(tmp_path),
                              "--steps", "100000", *servers], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -314,26 +320,99 @@ def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, 
     wait_for_step(proc, tmp_path, 1)
     family = family_of(proc.pid)
     assert any("ref_server.py" in command_of(p) for p in family) and len(family) >= 6
-    if how == "SIGTERM":
-        os.killpg(proc.pid, signal.SIGTERM)
+    if how in ("SIGTERM", "SIGHUP"):
+        os.killpg(proc.pid, getattr(signal, how))
+    elif how == "Ctrl-C twice":
+        asked = time.time()
+        os.killpg(proc.pid, signal.SIGINT)
+        latest = tmp_path / "latest"
+        wait_until(proc, lambda: latest.exists() and latest.stat().st_mtime >= asked, proc.log, every=0.05)
+        os.killpg(proc.pid, signal.SIGINT)
     else:
         next(p for p in family if "ref_server.py" in command_of(p)).kill()
     assert_all_gone(family)
     assert proc.wait() != 0
     said = open(proc.log).read()
-    assert "resource_tracker" not in said, said[-3000:]
-    if how == "SIGTERM":
+    assert "resource_tracker" not in said and not [sign for sign in TRACEBACKS if sign in said], said[-3000:]
+    if how in ("SIGTERM", "SIGHUP"):
         stopped = re.search(r"^stopped after step (\d+) of 100000 \(Ctrl-C\): .* last checkpoint "
                             rf"{tmp_path}/step_\d+; to continue:$", said, re.M)
         assert stopped and (tmp_path / "latest").read_text() == f"step_{stopped.group(1)}", said[-3000:]
-        assert proc.returncode == 143
-        assert "terminate called" not in said, said[-3000:]   # no process aborted on its way out
-        lines = said.splitlines()
-        tracebacks = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
-        assert [i for i in tracebacks if "deepspeed/launcher/runner.py" not in "\n".join(lines[i:i + 4])] == [], said
+        assert proc.returncode == 128 + getattr(signal, how)
+    if how == "Ctrl-C twice":
+        assert proc.returncode == 130 and re.fullmatch(r"step_\d+", (tmp_path / "latest").read_text()), said
     if how == "ref server dies":
         # the demo's one launch: rank 0 started the server, and notices its death
         assert "grpo_train.py: the reference server this run started died (exit code -9)" in said, said[-3000:]
+
+
+def in_groups(groups):
+    """The processes that run in any of the process groups `groups`."""
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(ProcessLookupError, psutil.Error):   # it ended while we looked
+            if os.getpgid(p.pid) in groups and running(p):
+                found.append(p)
+    return found
+
+
+@pytest.mark.parametrize("sig", ["SIGHUP", "SIGINT", "SIGTERM"])
+def test_a_stop_as_the_demo_launches_ends_every_process_without_a_traceback(tmp_path, tiny_model, sig):
+    """SIGHUP (the demo's terminal closed), Ctrl-C or SIGTERM to the demo alone the moment it has started
+    deepspeed's launcher, in a session of its own, beside two reference servers of its own: the demo exits
+    with code 128 + the signal and no process is left in its process group or the launcher's, shown by the
+    process table; none prints a traceback (no rank has started: there is nothing to save)."""
+    log = tmp_path / "run.log"
+    proc = subprocess.Popen([sys.executable, "-m", "demo.run_demo", "--model", tiny_model, "--out-dir", str(tmp_path),
+                             "--steps", "100000", "--ref-servers", "2"], cwd=ROOT, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    RUNS.append(proc)
+    launcher = []
+
+    def launched():
+        launcher[:] = [p for p in psutil.Process(proc.pid).children() if "deepspeed" in command_of(p)]
+        return launcher
+    wait_until(proc, launched, log, every=0.01)
+    groups = {proc.pid, launcher[0].pid}   # the launcher's session: a process group of its own
+    assert len(in_groups(groups)) >= 4   # the demo, its two servers, the launcher
+    proc.send_signal(getattr(signal, sig))
+    assert proc.wait(timeout=120) == 128 + getattr(signal, sig), log.read_text()[-3000:]
+    deadline = time.time() + 90
+    while (left := in_groups(groups)) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not left, [(p.pid, command_of(p)[:100]) for p in left]
+    said = log.read_text()
+    assert not [sign for sign in TRACEBACKS if sign in said] and not rows_of(tmp_path), said[-3000:]
+
+
+def test_the_demo_names_its_own_flag_when_beta_0_leaves_its_servers_nothing_to_do(tmp_path, tiny_model):
+    """--ref-servers 2 with --beta 0 after `--`: one line naming the two flags the user gave (the --ref-url
+    the demo passes the trainer is its own), before anything starts."""
+    p = subprocess.run([sys.executable, "-m", "demo.run_demo", "--model", tiny_model, "--out-dir", str(tmp_path),
+                        "--ref-servers", "2", "--", "--beta", "0"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 1 and p.stderr == (
+        "run_demo: --ref-servers 2 starts reference servers, but --beta 0 trains without a reference: drop "
+        "--ref-servers, or give --beta > 0\n"), p.stdout[-2000:] + p.stderr[-3000:]
+    assert not os.listdir(tmp_path)
+
+
+def test_sigterm_to_another_rank_stops_the_run_as_at_rank_0(tmp_path, tiny_model):
+    """A 2-rank launch, SIGTERM to rank 1 alone in the loop: rank 1 passes it on to rank 0, which makes the
+    stop: the run finishes the step, saves it, prints the line that continues it (naming SIGTERM) and every
+    process ends, none with a traceback. (Rank 1 alone went on, and the run with it, saying nothing.)"""
+    proc = launch(tmp_path, tiny_model, "--beta", "0", "--steps", "100000", launcher=True, ranks=2)
+    wait_for_step(proc, tmp_path, 1)
+    family = family_of(proc.pid)
+    (rank_1,) = [p for p in family if "--local_rank=1" in command_of(p)]
+    rank_1.send_signal(signal.SIGTERM)
+    assert_all_gone(family)
+    rc, said = finish(proc, timeout=30)
+    assert "SIGTERM: the run stops after this step, with a checkpoint\n" in said, said[-3000:]
+    stopped = re.search(r"^stopped after step (\d+) of 100000 \(SIGTERM\): .* last checkpoint "
+                        rf"{tmp_path}/step_\d+; to continue:$", said, re.M)
+    assert stopped and (tmp_path / "latest").read_text() == f"step_{stopped.group(1)}", said[-3000:]
+    assert rc == 0 and not [sign for sign in TRACEBACKS if sign in said], said[-3000:]
 
 
 def test_ctrl_c_while_the_demo_builds_its_model_ends_it_without_a_traceback(tmp_path):
@@ -356,9 +435,8 @@ def test_ctrl_c_while_the_demo_builds_its_model_ends_it_without_a_traceback(tmp_
 
 def test_sigterm_while_a_background_demo_starts_its_launcher_ends_it(tmp_path, demo_model):
     """The demo started with SIGINT ignored, as a shell script's background job is, and sent SIGTERM as soon
-    as deepspeed's launch.py exists (it takes seconds to import before it handles signals): the Ctrl-C the
-    demo passes on still stops the launch (its processes do not inherit the ignored SIGINT), every process
-    ends, exit code 143."""
+    as deepspeed's launch.py exists (it takes seconds to import before it handles signals): the demo passes
+    the stop on as SIGTERM, since launch.py does not take a Ctrl-C yet, every process ends, exit code 143."""
     log = tmp_path / "run.log"
     proc = subprocess.Popen([sys.executable, "-m", "demo.run_demo", "--model", demo_model, "--out-dir",
                              str(tmp_path), "--steps", "100000"], cwd=ROOT, stdout=open(log, "w"),

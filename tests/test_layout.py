@@ -20,6 +20,17 @@ def test_grpo_train_keeps_its_figures():
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+def test_the_figures_script_runs_from_any_folder(tmp_path):
+    """Given no file, it measures this repository's grpo_train.py wherever it is started; a file that is not
+    there is one line naming it."""
+    script = os.path.join(ROOT, "tools", "script_figures.py")
+    p = subprocess.run([sys.executable, script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.startswith("lines ") and "(at most 300)" in p.stdout, p.stderr
+    p = subprocess.run([sys.executable, script, "nothing.py"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1 and p.stderr == "script_figures.py: nothing.py: no such file\n", p.stderr
+
+
 def test_the_figures_script_catches_each_breach(tmp_path):
     wide = tmp_path / "wide.py"
     wide.write_text("x = 1\n" + "y = '" + "a" * 100 + "'\n")

@@ -2,7 +2,7 @@
 20,000 characters and 100 columns, and comments on their own line above the block they explain (the one
 kind at the end of a line is a tensor's shape, as in `# (B, T)`).
 
-    python tools/script_figures.py [FILE]
+    python tools/script_figures.py [FILE]    (FILE: this repository's grpo_train.py unless given)
 """
 import argparse
 import io
@@ -10,6 +10,7 @@ import os
 import re
 import tokenize
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMITS = {"lines": 300, "characters": 20000, "widest line": 100}
 SHAPE = re.compile(r"# \([\w ,+*]*\)$")
 
@@ -34,10 +35,11 @@ def figures(path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("file", nargs="?", default="grpo_train.py", help="the file to measure (grpo_train.py)")
+    p.add_argument("file", nargs="?", default=os.path.join(ROOT, "grpo_train.py"),
+                   help="the file to measure (this repository's grpo_train.py)")
     path = p.parse_args(argv).file
     if not os.path.isfile(path):
-        p.error(f"{path}: no such file")
+        raise SystemExit(f"script_figures.py: {path}: no such file")
     got = figures(path)
     for key, value in got.items():
         limit = LIMITS.get(key)
