@@ -359,6 +359,8 @@ def serve(app, args):
                 self.error = JsonError(401, "Unauthorized", "missing or wrong bearer token")
             elif self.chunked or getattr(self.error, "code", None) == 501:
                 self.error = JsonError(411, "Length Required", "send Content-Length")
+            elif getattr(self.error, "code", None) == 413:
+                self.error.body = f"exceeds max_body of {args.max_body} bytes"
             self.completed = self.completed or isinstance(self.error, JsonError)
             if self.error and not isinstance(self.error, JsonError):
                 self.error = JsonError(self.error.code, self.error.reason, self.error.body)
@@ -391,7 +393,7 @@ def serve(app, args):
                     if len(channel.requests) == 1:
                         self.add_task(channel)
 
-    # waitress counts its listening socket and its trigger as connections
+    # waitress counts its socket and trigger as connections, and refuses a body >= its bound
     return Server(app, host=args.host, port=args.port, threads=4,
                   connection_limit=args.max_connections + 2, max_request_header_size=MAX_HEAD,
                   max_request_body_size=args.max_body + 1, cleanup_interval=1)

@@ -374,7 +374,7 @@ def test_body_limits(server, model):
     # over --max-body-mb: refused from the header alone (waitress's max_request_body_size), before any byte of
     # the body is read
     status, err = raw_request(server, {**auth, "Content-Length": str(limit + 1)})
-    assert status == 413 and f"max_body of {limit + 1}" in err
+    assert status == 413 and f"exceeds max_body of {limit} bytes" in err
     status, err = raw_request(server, {**auth, "Content-Length": "9" * 40})
     assert status == 413 and "max_body" in err
     # ... and when the client does send it all (the answer still arrives, though the body is never read)
@@ -394,6 +394,21 @@ def test_body_limits(server, model):
     assert status == 401
     status, err = raw_request(server, {**auth, "X-Pad": "a" * MAX_HEAD})  # waitress's max_request_header_size
     assert status == 431 and f"max_header of {MAX_HEAD}" in err
+    assert_serves(server, model)
+
+
+def test_the_413_quotes_the_largest_body_accepted(server, model):
+    """A body of --max-body-mb (/health's max_body) bytes is read; one byte more is a 413 that quotes that
+    limit: waitress refuses a Content-Length at or over its own bound, max_body + 1, and its message
+    quoted that bound, one byte above the true limit."""
+    limit = requests.get(server + "/health", timeout=10).json()["max_body"]
+    assert limit == int(0.05 * 2**20)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    # exactly the limit: read, then refused as a body (the padding is not safetensors), not for its size
+    r = requests.post(server + "/logps", data=GOOD + bytes(limit - len(GOOD)), headers=headers, timeout=30)
+    assert_json_error(r, 400, "not a valid safetensors body")
+    r = requests.post(server + "/logps", data=GOOD + bytes(limit + 1 - len(GOOD)), headers=headers, timeout=30)
+    assert_json_error(r, 413, f"Request Entity Too Large: exceeds max_body of {limit} bytes")
     assert_serves(server, model)
 
 
