@@ -21,7 +21,7 @@ from safetensors.torch import load as st_load, save as st_save
 from waitress.channel import HTTPChannel
 from waitress.parser import HTTPRequestParser
 from waitress.server import TcpWSGIServer
-from waitress.utilities import Error
+from waitress.utilities import Error, queue_logger
 
 REQUEST_KEYS = ("input_ids", "seq_lens", "prompt_lens")
 # below this, logits / T overflow float32 (1e-45 gave -inf, 1e-300 NaN); samplers call it greedy
@@ -393,6 +393,8 @@ def serve(app, args):
                     if len(channel.requests) == 1:
                         self.add_task(channel)
 
+    # one forward at a time (make_app): requests waiting their turn are the design, not news
+    queue_logger.setLevel("ERROR")
     # waitress counts its socket and trigger as connections, and refuses a body >= its bound
     return Server(app, host=args.host, port=args.port, threads=4,
                   connection_limit=args.max_connections + 2, max_request_header_size=MAX_HEAD,

@@ -412,6 +412,31 @@ def test_the_413_quotes_the_largest_body_accepted(server, model):
     assert_serves(server, model)
 
 
+def test_requests_waiting_for_the_forward_are_not_a_warning_each(server_proc, server):
+    """Twelve requests complete at once on the server's 4 threads, which take turns at the one forward:
+    waitress logged "Task queue depth is N" once for each request that waited (8 lines on the console).
+    Waiting for the forward is how the server works: the console says nothing of it."""
+    body = encode_request([[1] * 200] * 8, [[2] * 50] * 8, 1.0)
+    head = (b"POST /logps HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: "
+            b"application/octet-stream\r\nContent-Length: %d\r\n\r\n" % (TOKEN.encode(), len(body)))
+    clients = [connect(server) for _ in range(12)]
+    try:
+        for s in clients:
+            s.sendall(head + body[:-1])
+        # every body's last byte at once: the server's reading thread queues the twelve requests together
+        time.sleep(0.5)
+        for s in clients:
+            s.sendall(body[-1:])
+        for s in clients:
+            with s.makefile("rb") as answer:
+                assert answer.readline() == b"HTTP/1.1 200 OK\r\n"
+    finally:
+        for s in clients:
+            s.close()
+    log = server_log(server_proc[2])
+    assert "Task queue depth" not in log and "Traceback" not in log, log[-2000:]
+
+
 def test_auth_paths_and_methods(server, model):
     assert_json_error(post(server, GOOD, token="wrong"), 401, "token")
     assert_json_error(requests.post(server + "/logps", data=GOOD, timeout=10), 401, "token")
