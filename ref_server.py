@@ -298,19 +298,22 @@ def make_app(served, args):
     app.default_error_handler = json_error
     app.get("/health")(lambda: health)
 
-    def checked_body():
+    def checked_body(media_type):
         """The body, after the token check; waitress (serve) has checked its size and syntax."""
         if not authorized(bottle.request.environ.get("HTTP_AUTHORIZATION", ""), args.token):
             bottle.abort(401, "missing or wrong bearer token")
         if not (length := bottle.request.environ.get("CONTENT_LENGTH", "")):
             bottle.abort(411, "Content-Length required")
+        # another type is another format; none is taken as this one, as RFC 9110 (8.3) allows
+        if (sent := bottle.request.content_type.partition(";")[0].strip()) not in ("", media_type):
+            bottle.abort(415, f"Content-Type must be {media_type}, got {sent[:100]!r}")
         return bottle.request.environ["wsgi.input"].read(min(int(length), args.max_body))
 
     @app.post("/logps")
     def _logps():
-        prompts, completions, temperature = decode_request(checked_body(), **limits)
+        request = decode_request(checked_body("application/octet-stream"), **limits)
         with lock:
-            logps = compute_logps(served, prompts, completions, temperature)
+            logps = compute_logps(served, *request)
         # the request was valid: the model is at fault (500)
         if not all(torch.isfinite(t).all() for t in logps):
             bottle.abort(500, "the reference model gave non-finite log-probs (weights, dtype?)")
@@ -322,7 +325,7 @@ def make_app(served, args):
         if not (args.token and args.checkpoint_dir):
             bottle.abort(403, "reload is off: start the server with --checkpoint-dir and a token")
         try:
-            path = json.loads(checked_body())["path"]
+            path = json.loads(checked_body("application/json"))["path"]
         except (ValueError, KeyError, TypeError, RecursionError):
             path = None
         if not isinstance(path, str) or not path or not path.isprintable():

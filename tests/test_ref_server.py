@@ -437,6 +437,50 @@ def test_requests_waiting_for_the_forward_are_not_a_warning_each(server_proc, se
     assert "Task queue depth" not in log and "Traceback" not in log, log[-2000:]
 
 
+@pytest.mark.parametrize("content_type,status", [
+    (None, 200), ("application/octet-stream", 200), ("Application/Octet-Stream; x=1", 200),
+    ("application/json", 415), ("text/plain", 415), ("application/x-www-form-urlencoded", 415),
+    ("multipart/form-data; boundary=x", 415)])
+def test_logps_reads_a_safetensors_body_of_no_other_type(server, content_type, status):
+    """/logps reads its body as safetensors, whatever the request said it was: a JSON body sent as
+    application/json got "header too large", and a body labelled JSON or a form was served. Another
+    Content-Type is a 415 naming the one expected; none at all is taken as it (RFC 9110 8.3)."""
+    headers = {"Authorization": f"Bearer {TOKEN}", **({"Content-Type": content_type} if content_type else {})}
+    for data in (GOOD, json.dumps({"input_ids": [1, 2]}).encode()):
+        r = requests.post(server + "/logps", data=data, headers=headers, timeout=30)
+        if status == 415:
+            assert_json_error(r, 415, "Content-Type must be application/octet-stream, got "
+                              f"{content_type.split(';')[0].lower()!r}")
+        else:
+            assert r.status_code == (200 if data == GOOD else 400), r.text
+
+
+def test_reload_reads_a_json_body_of_no_other_type(tmp_path, tiny_model):
+    """/reload reads its body as JSON, whatever the request said it was: a path sent as text/plain, or as
+    application/octet-stream, reloaded the reference. Another Content-Type is a 415 naming the one
+    expected, and nothing is reloaded; none at all is taken as JSON; the client sends application/json."""
+    new = ref_server.load_model(tiny_model)
+    with torch.no_grad():
+        new.model.norm.weight.mul_(3)
+    new.save_pretrained(tmp_path / "step_1")
+    served = ref_server.load_model(tiny_model)
+    before = model_fingerprint(served)
+    args = in_process_args("--token", TOKEN, "--checkpoint-dir", str(tmp_path))
+    with serve_in_thread(make_app(served, args), args) as url:
+        body = json.dumps({"path": str(tmp_path / "step_1")})
+        for content_type in ("text/plain", "application/octet-stream", "application/x-www-form-urlencoded"):
+            r = requests.post(url + "/reload", data=body, timeout=60,
+                              headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": content_type})
+            assert_json_error(r, 415, f"Content-Type must be application/json, got {content_type!r}")
+        assert requests.get(url + "/health", timeout=10).json()["fingerprint"] == before
+        for content_type in (None, "application/json; charset=utf-8"):
+            headers = {"Authorization": f"Bearer {TOKEN}", **({"Content-Type": content_type} if content_type else {})}
+            r = requests.post(url + "/reload", data=body, headers=headers, timeout=60)
+            assert r.status_code == 200 and r.json()["fingerprint"] == model_fingerprint(new), r.text
+        (health,) = reload_reference(url, str(tmp_path / "step_1"), token=TOKEN, retry_for=0)
+        assert health["fingerprint"] == model_fingerprint(new)
+
+
 def test_auth_paths_and_methods(server, model):
     assert_json_error(post(server, GOOD, token="wrong"), 401, "token")
     assert_json_error(requests.post(server + "/logps", data=GOOD, timeout=10), 401, "token")
