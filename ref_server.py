@@ -9,7 +9,6 @@ import hashlib
 import hmac
 import ipaddress
 import json
-import math
 import os
 import stat
 import threading
@@ -22,7 +21,7 @@ from safetensors.torch import load as st_load, save as st_save
 from waitress.channel import HTTPChannel
 from waitress.parser import HTTPRequestParser
 from waitress.server import TcpWSGIServer
-from waitress.utilities import Error
+from waitress.utilities import Error, queue_logger
 
 REQUEST_KEYS = ("input_ids", "seq_lens", "prompt_lens")
 # below this, logits / T overflow float32 (1e-45 gave -inf, 1e-300 NaN); samplers call it greedy
@@ -59,8 +58,7 @@ def decode_request(body, *, vocab_size, max_seqs, max_tokens, max_seq_len=None):
         if t.dtype != torch.int32 or t.dim() != 1:
             raise WireError(f"{name} must be a 1-D int32 tensor, got {t.dtype} {list(t.shape)}")
     ids, seq_lens, prompt_lens = (tensors[k].long() for k in REQUEST_KEYS)
-    B = len(seq_lens)
-    if B == 0 or len(prompt_lens) != B:
+    if (B := len(seq_lens)) == 0 or len(prompt_lens) != B:
         raise WireError(f"one prompt_len per seq_len, at least one: got {len(prompt_lens)}, {B}")
     # one that is < 1 fails the prompt_len check below
     if seq_lens.sum().item() != len(ids):
@@ -81,7 +79,7 @@ def decode_request(body, *, vocab_size, max_seqs, max_tokens, max_seq_len=None):
         temperature = float(meta["temperature"])
     except (KeyError, ValueError) as e:
         raise WireError(f"metadata needs a numeric 'temperature', got {meta}") from e
-    if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+    if not MIN_TEMPERATURE <= temperature < float("inf"):
         raise WireError(f"temperature must be finite and >= {MIN_TEMPERATURE}, got {temperature}")
     seqs = [s.tolist() for s in ids.split(seq_lens.tolist())]
     return ([s[:p] for s, p in zip(seqs, prompt_lens.tolist())],
@@ -89,8 +87,7 @@ def decode_request(body, *, vocab_size, max_seqs, max_tokens, max_seq_len=None):
 
 def encode_response(logps: list[torch.Tensor]) -> bytes:
     """The /logps answer: one float32 `logps` of every completion token, concatenated."""
-    flat = [t.detach().float().flatten().cpu() for t in logps]
-    return st_save({"logps": torch.cat(flat).contiguous() if flat else torch.zeros(0)})
+    return st_save({"logps": torch.cat([t.detach().float().flatten().cpu() for t in logps])})
 
 def missing_folder(model) -> str | None:
     """Why --model cannot be loaded: a path (. / ~ first, or two slashes) naming no folder."""
@@ -123,17 +120,15 @@ def model_fingerprint(model, samples=64) -> str:
 
 def default_dtype(device) -> str:
     """bfloat16 on a GPU that computes in it natively, else float32, as the trainer picks."""
-    cuda = str(device).startswith("cuda")
-    native = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
+    native = "cuda" in str(device) and torch.cuda.is_bf16_supported(including_emulation=False)
     return "bfloat16" if native else "float32"
 
 def load_model(path, device="cpu", dtype="auto", fp32_lm_head=False):
     # here, so importing this module stays light
     from transformers import AutoModelForCausalLM
-    dtype = default_dtype(device) if dtype == "auto" else dtype
+    dtype = getattr(torch, default_dtype(device) if dtype == "auto" else dtype)
     # safetensors only: never a format that runs code on load (a hub model without them: refused)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
-                                                 use_safetensors=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
     model = model.to(device).eval().requires_grad_(False)
     if fp32_lm_head:
         # as grpo_train.py --fp32-lm-head and vLLM 0.32's head_dtype float32
@@ -151,11 +146,9 @@ def compute_logps(model, prompts, completions, temperature, chunk=512) -> list[t
     pad = lambda rows: torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(model.device)
     input_ids, mask = pad(seqs), pad([torch.ones_like(s) for s in seqs])
     # get_decoder / get_output_embeddings (transformers 5.19): the body and lm_head of any causal LM
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=mask,
-                                 use_cache=False).last_hidden_state
+    hidden = model.get_decoder()(input_ids, attention_mask=mask, use_cache=False).last_hidden_state
     # the state at position i predicts token i + 1: each completion's tokens, and the states before
-    spans = [(row, len(p) - 1, len(p) + len(c) - 1)
-             for row, (p, c) in enumerate(zip(prompts, completions))]
+    spans = [(row, len(p) - 1, len(s) - 1) for row, (p, s) in enumerate(zip(prompts, seqs))]
     states = torch.cat([hidden[row, a:b] for row, a, b in spans])
     targets = torch.cat([input_ids[row, a + 1:b + 1] for row, a, b in spans])
     out = []
@@ -305,19 +298,22 @@ def make_app(served, args):
     app.default_error_handler = json_error
     app.get("/health")(lambda: health)
 
-    def checked_body():
+    def checked_body(media_type):
         """The body, after the token check; waitress (serve) has checked its size and syntax."""
         if not authorized(bottle.request.environ.get("HTTP_AUTHORIZATION", ""), args.token):
             bottle.abort(401, "missing or wrong bearer token")
         if not (length := bottle.request.environ.get("CONTENT_LENGTH", "")):
             bottle.abort(411, "Content-Length required")
+        # another type is another format; none is taken as this one, as RFC 9110 (8.3) allows
+        if (sent := bottle.request.content_type.partition(";")[0].strip()) not in ("", media_type):
+            bottle.abort(415, f"Content-Type must be {media_type}, got {sent[:100]!r}")
         return bottle.request.environ["wsgi.input"].read(min(int(length), args.max_body))
 
     @app.post("/logps")
     def _logps():
-        prompts, completions, temperature = decode_request(checked_body(), **limits)
+        request = decode_request(checked_body("application/octet-stream"), **limits)
         with lock:
-            logps = compute_logps(served, prompts, completions, temperature)
+            logps = compute_logps(served, *request)
         # the request was valid: the model is at fault (500)
         if not all(torch.isfinite(t).all() for t in logps):
             bottle.abort(500, "the reference model gave non-finite log-probs (weights, dtype?)")
@@ -329,7 +325,7 @@ def make_app(served, args):
         if not (args.token and args.checkpoint_dir):
             bottle.abort(403, "reload is off: start the server with --checkpoint-dir and a token")
         try:
-            path = json.loads(checked_body())["path"]
+            path = json.loads(checked_body("application/json"))["path"]
         except (ValueError, KeyError, TypeError, RecursionError):
             path = None
         if not isinstance(path, str) or not path or not path.isprintable():
@@ -366,6 +362,8 @@ def serve(app, args):
                 self.error = JsonError(401, "Unauthorized", "missing or wrong bearer token")
             elif self.chunked or getattr(self.error, "code", None) == 501:
                 self.error = JsonError(411, "Length Required", "send Content-Length")
+            elif getattr(self.error, "code", None) == 413:
+                self.error.body = f"exceeds max_body of {args.max_body} bytes"
             self.completed = self.completed or isinstance(self.error, JsonError)
             if self.error and not isinstance(self.error, JsonError):
                 self.error = JsonError(self.error.code, self.error.reason, self.error.body)
@@ -398,7 +396,9 @@ def serve(app, args):
                     if len(channel.requests) == 1:
                         self.add_task(channel)
 
-    # waitress counts its listening socket and its trigger as connections
+    # one forward at a time (make_app): requests waiting their turn are the design, not news
+    queue_logger.setLevel("ERROR")
+    # waitress counts its socket and trigger as connections, and refuses a body >= its bound
     return Server(app, host=args.host, port=args.port, threads=4,
                   connection_limit=args.max_connections + 2, max_request_header_size=MAX_HEAD,
                   max_request_body_size=args.max_body + 1, cleanup_interval=1)

@@ -374,7 +374,7 @@ def test_body_limits(server, model):
     # over --max-body-mb: refused from the header alone (waitress's max_request_body_size), before any byte of
     # the body is read
     status, err = raw_request(server, {**auth, "Content-Length": str(limit + 1)})
-    assert status == 413 and f"max_body of {limit + 1}" in err
+    assert status == 413 and f"exceeds max_body of {limit} bytes" in err
     status, err = raw_request(server, {**auth, "Content-Length": "9" * 40})
     assert status == 413 and "max_body" in err
     # ... and when the client does send it all (the answer still arrives, though the body is never read)
@@ -395,6 +395,90 @@ def test_body_limits(server, model):
     status, err = raw_request(server, {**auth, "X-Pad": "a" * MAX_HEAD})  # waitress's max_request_header_size
     assert status == 431 and f"max_header of {MAX_HEAD}" in err
     assert_serves(server, model)
+
+
+def test_the_413_quotes_the_largest_body_accepted(server, model):
+    """A body of --max-body-mb (/health's max_body) bytes is read; one byte more is a 413 that quotes that
+    limit: waitress refuses a Content-Length at or over its own bound, max_body + 1, and its message
+    quoted that bound, one byte above the true limit."""
+    limit = requests.get(server + "/health", timeout=10).json()["max_body"]
+    assert limit == int(0.05 * 2**20)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    # exactly the limit: read, then refused as a body (the padding is not safetensors), not for its size
+    r = requests.post(server + "/logps", data=GOOD + bytes(limit - len(GOOD)), headers=headers, timeout=30)
+    assert_json_error(r, 400, "not a valid safetensors body")
+    r = requests.post(server + "/logps", data=GOOD + bytes(limit + 1 - len(GOOD)), headers=headers, timeout=30)
+    assert_json_error(r, 413, f"Request Entity Too Large: exceeds max_body of {limit} bytes")
+    assert_serves(server, model)
+
+
+def test_requests_waiting_for_the_forward_are_not_a_warning_each(server_proc, server):
+    """Twelve requests complete at once on the server's 4 threads, which take turns at the one forward:
+    waitress logged "Task queue depth is N" once for each request that waited (8 lines on the console).
+    Waiting for the forward is how the server works: the console says nothing of it."""
+    body = encode_request([[1] * 200] * 8, [[2] * 50] * 8, 1.0)
+    head = (b"POST /logps HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: "
+            b"application/octet-stream\r\nContent-Length: %d\r\n\r\n" % (TOKEN.encode(), len(body)))
+    clients = [connect(server) for _ in range(12)]
+    try:
+        for s in clients:
+            s.sendall(head + body[:-1])
+        # every body's last byte at once: the server's reading thread queues the twelve requests together
+        time.sleep(0.5)
+        for s in clients:
+            s.sendall(body[-1:])
+        for s in clients:
+            with s.makefile("rb") as answer:
+                assert answer.readline() == b"HTTP/1.1 200 OK\r\n"
+    finally:
+        for s in clients:
+            s.close()
+    log = server_log(server_proc[2])
+    assert "Task queue depth" not in log and "Traceback" not in log, log[-2000:]
+
+
+@pytest.mark.parametrize("content_type,status", [
+    (None, 200), ("application/octet-stream", 200), ("Application/Octet-Stream; x=1", 200),
+    ("application/json", 415), ("text/plain", 415), ("application/x-www-form-urlencoded", 415),
+    ("multipart/form-data; boundary=x", 415)])
+def test_logps_reads_a_safetensors_body_of_no_other_type(server, content_type, status):
+    """/logps reads its body as safetensors, whatever the request said it was: a JSON body sent as
+    application/json got "header too large", and a body labelled JSON or a form was served. Another
+    Content-Type is a 415 naming the one expected; none at all is taken as it (RFC 9110 8.3)."""
+    headers = {"Authorization": f"Bearer {TOKEN}", **({"Content-Type": content_type} if content_type else {})}
+    for data in (GOOD, json.dumps({"input_ids": [1, 2]}).encode()):
+        r = requests.post(server + "/logps", data=data, headers=headers, timeout=30)
+        if status == 415:
+            assert_json_error(r, 415, "Content-Type must be application/octet-stream, got "
+                              f"{content_type.split(';')[0].lower()!r}")
+        else:
+            assert r.status_code == (200 if data == GOOD else 400), r.text
+
+
+def test_reload_reads_a_json_body_of_no_other_type(tmp_path, tiny_model):
+    """/reload reads its body as JSON, whatever the request said it was: a path sent as text/plain, or as
+    application/octet-stream, reloaded the reference. Another Content-Type is a 415 naming the one
+    expected, and nothing is reloaded; none at all is taken as JSON; the client sends application/json."""
+    new = ref_server.load_model(tiny_model)
+    with torch.no_grad():
+        new.model.norm.weight.mul_(3)
+    new.save_pretrained(tmp_path / "step_1")
+    served = ref_server.load_model(tiny_model)
+    before = model_fingerprint(served)
+    args = in_process_args("--token", TOKEN, "--checkpoint-dir", str(tmp_path))
+    with serve_in_thread(make_app(served, args), args) as url:
+        body = json.dumps({"path": str(tmp_path / "step_1")})
+        for content_type in ("text/plain", "application/octet-stream", "application/x-www-form-urlencoded"):
+            r = requests.post(url + "/reload", data=body, timeout=60,
+                              headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": content_type})
+            assert_json_error(r, 415, f"Content-Type must be application/json, got {content_type!r}")
+        assert requests.get(url + "/health", timeout=10).json()["fingerprint"] == before
+        for content_type in (None, "application/json; charset=utf-8"):
+            headers = {"Authorization": f"Bearer {TOKEN}", **({"Content-Type": content_type} if content_type else {})}
+            r = requests.post(url + "/reload", data=body, headers=headers, timeout=60)
+            assert r.status_code == 200 and r.json()["fingerprint"] == model_fingerprint(new), r.text
+        (health,) = reload_reference(url, str(tmp_path / "step_1"), token=TOKEN, retry_for=0)
+        assert health["fingerprint"] == model_fingerprint(new)
 
 
 def test_auth_paths_and_methods(server, model):
