@@ -75,7 +75,7 @@ def _call(method, endpoint, body=None, headers=None, *, timeout, retry_for, back
     request itself is wrong; 413: split the batch), and so does a read timeout (the server is alive
     but slow: a resend would queue a second copy). urllib3's Retry is not used: it retries before
     the body is read (a 200 cut short passes), counts attempts, not seconds, and says nothing."""
-    deadline, attempt, last = time.monotonic() + retry_for, 0, None
+    start, attempt, last = time.monotonic(), 0, None
     while True:
         try:
             r = _session().request(method, endpoint, data=body, headers=headers, timeout=timeout)
@@ -93,9 +93,10 @@ def _call(method, endpoint, body=None, headers=None, *, timeout, retry_for, back
         except requests.Timeout as e:
             raise RefServerError(f"{endpoint}: no answer within {timeout}s ({e})") from e
         pause = min(30.0, backoff * 2 ** attempt)
-        if time.monotonic() + pause > deadline:
-            raise RefServerError(f"{endpoint} failed after {attempt + 1} attempts in "
-                                 f"{retry_for:g}s; last error: {last}")
+        # given up as soon as the next pause would end past the window: said in the time it took
+        if (spent := time.monotonic() - start) + pause > retry_for:
+            raise RefServerError(f"{endpoint} failed after {attempt + 1} attempts in {spent:.1f}s (another "
+                                 f"would end past the {retry_for:g}s allowed); last error: {last}")
         # the event, not a duration, tells a reader (and the tests) that the server was away
         print(f"ref_server client: {method} {endpoint} failed ({last}); retrying in {pause:g}s",
               file=sys.stderr, flush=True)

@@ -4,6 +4,7 @@ import errno
 import gc
 import http.client
 import json
+import re
 import os
 import select
 import signal
@@ -508,10 +509,18 @@ def test_client_errors(server, capsys):
     dead = f"http://127.0.0.1:{next_port()}"
     # the limits come first (/health), and nothing answers: retried after 0.05, 0.1, ... s while that fits in
     # 0.3 s, each retry said on stderr (how many fit depends on the machine's speed: counted, not assumed)
-    with pytest.raises(RefServerError, match=f"{dead}/health failed after .* attempts in 0.3s") as e:
+    with pytest.raises(RefServerError, match=rf"{dead}/health failed after .* attempts in 0\.[0-3]s \(another "
+                                             rf"would end past the 0\.3s allowed\)") as e:
         ref_logps(dead, [[1]], [[2]], 1.0, retry_for=0.3, backoff=0.05)
     retries = capsys.readouterr().err.splitlines()
     assert f"after {len(retries) + 1} attempts" in str(e.value) and retries, retries
+    # the time it says is the time it took: two attempts 1 s apart, then a pause of 2 s would pass 2.5 s
+    t0 = time.monotonic()
+    with pytest.raises(RefServerError, match=r"after 2 attempts in (\d+\.\d)s") as e:
+        ref_logps(dead, [[1]], [[2]], 1.0, retry_for=2.5, backoff=1.0)
+    said = float(re.search(r"in (\d+\.\d)s", str(e.value)).group(1))
+    assert 1.0 <= said <= time.monotonic() - t0 + 0.05, (said, str(e.value))
+    capsys.readouterr()
     for line, pause in zip(retries, ["0.05s", "0.1s"]):
         assert line.startswith(f"ref_server client: GET {dead}/health failed (ConnectionError"), line
         assert line.endswith(f"retrying in {pause}"), line
