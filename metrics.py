@@ -19,9 +19,10 @@ from run_folder import clear_run, keep_rows
 def rollout_metrics(scored, advantages, rounds, n_kept, n_dropped, args):
     """A batch's reward/* (std: unbiased, as the advantages'), completion_len/*, frac_zero_std,
     gen/rounds, gen/samples, batch/groups, and "samples": max(2, --log-completions) of its rows (prompt,
-    gold answer, completion, total reward, each reward, advantage), spread over its groups (MetricsLog writes them to completions.jsonl, and
-    NoSignalWatch shows two). scored: (total reward, {reward name: value}, reward errors, vLLM completion,
-    sample, completion text) of every sample; advantages: each one's, in the same order."""
+    gold answer, completion, total reward, each reward, advantage), spread over its groups (MetricsLog
+    writes them to completions.jsonl, and NoSignalWatch shows two). scored: (total reward, {reward name:
+    value}, reward errors, vLLM completion, sample, completion text) of every sample; advantages: each
+    one's, in the same order."""
     totals, parts, errors, completions, samples, texts = zip(*scored)
     group_size, n_samples = args.group_size, max(2, args.log_completions)
     picked = range(0, len(scored), max(1, len(scored) // n_samples))[:n_samples]
@@ -147,7 +148,7 @@ class NoSignalWatch:
             return None
         seen = lambda key: mean([r[key] for r in self.streak])
         parts = [k.split("/")[1] for k in log if k.startswith("reward/")
-                 and k not in ("reward/mean", "reward/errors", "reward/overlong")]
+                 and k not in ("reward/mean", "reward/std", "reward/errors", "reward/overlong")]
         truncated, reward = seen("completion_len/truncated"), seen("reward/mean")
         findings = []
         if truncated >= 0.5:

@@ -18,7 +18,8 @@ def step(frac_zero_std=1.0, truncated=0.0, **rewards):
     rewards = rewards or {"demo": 0.0}
     parts = {f"reward/{k}": v for k, v in rewards.items()}
     return {"frac_zero_std": frac_zero_std, "completion_len/truncated": truncated, "completion_len/mean": 12.0,
-            "reward/mean": sum(rewards.values()), "reward/errors": 0, "reward/overlong": 0.0, **parts}
+            "reward/mean": sum(rewards.values()), "reward/std": 0.0, "reward/errors": 0, "reward/overlong": 0.0,
+            **parts}
 
 
 def warnings(rows, patience=3):
