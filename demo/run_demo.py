@@ -79,11 +79,11 @@ def pass_on(run, again):
 def given_beta(extra):
     """The --beta that grpo_train.py gets from the flags after `--` (the last one wins, as TRAIN_FLAGS' goes
     before them, and before a --config file's), or None where they give none (or not a number)."""
-    p = argparse.ArgumentParser(add_help=False)
+    p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     p.add_argument("--beta")
-    beta = p.parse_known_args(extra)[0].beta
-    with contextlib.suppress(TypeError, ValueError):
-        return float(beta)
+    # a --beta without its value is grpo_train.py's to refuse, in its own words
+    with contextlib.suppress(argparse.ArgumentError, TypeError, ValueError):
+        return float(p.parse_known_args(extra)[0].beta)
     return None
 
 
@@ -141,15 +141,17 @@ def main(argv=None):
     # the demo rebuilds its model, so the previous demo's run in --out-dir is replaced unless resumed
     fresh = [] if "--resume" in extra else ["--overwrite"]
     servers, run, stopped = [], None, []
+    # from here on a stop is only recorded, and the loops below pass it on: one that comes at any moment,
+    # a server's start or the launch's own included, reaches what was started
+    for sig in STOPS:
+        signal.signal(sig, lambda signum, frame: stopped.append(signum))
     try:
         for url in urls:
             servers.append(subprocess.Popen([sys.executable, "ref_server.py", "--model", model_dir, "--port",
                                              url.rsplit(":", 1)[1], "--threads", "1", "--checkpoint-dir", out],
                                             cwd=ROOT, env=env))
-        # from here on a stop is only recorded, and the loops below pass it on: one that comes at any moment,
-        # the launch's own included, reaches the launch
-        for sig in STOPS:
-            signal.signal(sig, lambda signum, frame: stopped.append(signum))
+        if stopped:
+            raise SystemExit(128 + stopped[0])
         deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
         # the launcher at --log_level warning: its INFO lines (its environment, each rank's command) are for
         # debugging the launcher; its warnings and errors still show

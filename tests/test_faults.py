@@ -464,8 +464,8 @@ def test_resume_after_sigkill_continues_the_run_and_samples_from_the_checkpoint(
     port = next_port()
     proc = launch(tmp_path, demo_model, *flags, port=port)
     wait_for_step(proc, tmp_path, 5)
-    # the whole process group: a job killed without warning. Rank 0's queues to its engine (3 of 3 named
-    # semaphores) outlive it in /dev/shm, as its resource tracker dies with it: removed
+    # the whole process group: a job killed without warning. Rank 0's 3 queues to its engine (3 named
+    # semaphores each) outlive it in /dev/shm, as its resource tracker dies with it: removed
     assert len(sigkill_group(proc.pid)) >= 9
     proc.wait()
     # no rank made DeepSpeed's CPU all-reduce buffer (66 MB in /dev/shm, for its inference op), or left it
