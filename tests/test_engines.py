@@ -119,7 +119,7 @@ class RankZeroAlone(GenerationProcess):
 
     def __init__(self, ahead, steps, ref_sync_every=0, in_flight=False):
         self.ahead, self.total, self.ref_sync_every, self.version = ahead, steps, ref_sync_every, -1
-        self.asked, self.taken, self.in_flight = 0, 0, in_flight
+        self.asked, self.taken, self.in_flight, self.scale_rewards = 0, 0, in_flight, "group"
         self.procs, self.log, self.queued, self.opt_steps_at, self.step_at, self.lags = [None], [], [], {}, {}, []
 
     def _send(self, msg):

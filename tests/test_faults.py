@@ -4,12 +4,17 @@ starts it (conftest.rank_zero)."""
 import contextlib
 import datetime
 import errno
+import fcntl
 import json
 import os
+import pty
 import re
+import select
 import signal
 import subprocess
 import sys
+import termios
+import threading
 import time
 
 import psutil
@@ -298,30 +303,56 @@ def test_sigterm_to_the_deepspeed_launcher_stops_every_process(tmp_path, tiny_mo
 TRACEBACKS = ("Traceback", "terminate called", "Exception ignored")
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGHUP", "Ctrl-C twice", "ref server dies"])
+def copy_terminal(master, log, hang_up):
+    """What the terminal whose other end is `master` shows, into `log` (lines ending in \n), until
+    `hang_up` is set (then the terminal closes) or nothing holds the terminal any more."""
+    while not hang_up.is_set():
+        if select.select([master], [], [], 0.1)[0]:
+            try:
+                data = os.read(master, 65536)
+            except OSError:   # EIO: no process has the terminal open
+                break
+            log.write(data.decode(errors="replace").replace("\r\n", "\n"))
+            log.flush()
+    os.close(master)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "terminal closed", "Ctrl-C twice", "ref server dies"])
 def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, how):
-    """SIGTERM to run_demo's process group, or SIGHUP, as a shell sends it to its jobs when its terminal closes
-    (with two reference servers of the demo's own, which end at it), or the reference server (which rank 0
-    started) killed: the reference servers, the launcher, the ranks and vLLM all end (the last within seconds,
-    not after --ref-wait). run_demo passes a SIGTERM or a SIGHUP on to the launcher's group as a Ctrl-C, so the
-    run stops as a launch by hand does: the ranks finish the step, save it and print the line that continues
-    the run. Ctrl-C twice (to the demo's group, as a terminal sends it), the second once the first's checkpoint
+    """SIGTERM to run_demo's process group (with two reference servers of the demo's own, which end at it),
+    the demo's terminal closed (the kernel hangs up its session: SIGHUP, and every later write to that
+    terminal fails), or the reference server (which rank 0 started) killed: the reference servers, the
+    launcher, the ranks and vLLM all end (the last within seconds, not after --ref-wait). run_demo passes a
+    SIGTERM or a SIGHUP on to the launcher's group as a Ctrl-C, so the run stops as a launch by hand does:
+    the ranks finish the step, save it and print the line that continues the run (after a hang-up, to no one:
+    the step saved is the last one logged). Ctrl-C twice (to the demo's group, as a terminal sends it), the second once the first's checkpoint
     is saved, while the ranks shut down: the demo exits with code 130. However it stops, no process prints a
     traceback (the launcher's runner printed one at each Ctrl-C) or is reported to have leaked a semaphore."""
-    # with SIGTERM and SIGHUP, two reference servers of the demo's own: in its process group, they end at the
-    # signal too
-    servers = ["--ref-servers", "2"] if how in ("SIGTERM", "SIGHUP") else []
+    # with SIGTERM and the terminal closed, two reference servers of the demo's own: in its process group,
+    # they end at the signal too
+    servers = ["--ref-servers", "2"] if how in ("SIGTERM", "terminal closed") else []
     log = open(tmp_path / "run.log", "w")
+    io = {"stdout": log, "stderr": subprocess.STDOUT}
+    if how == "terminal closed":
+        # a terminal of its own: the controlling terminal of the session it starts
+        master, terminal = pty.openpty()
+        io = {"stdin": terminal, "stdout": terminal, "stderr": terminal,
+              "preexec_fn": lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0)}
     proc = subprocess.Popen([sys.executable, "-m", "demo.run_demo", "--model", demo_model, "--out-dir", str(tmp_path),
-                             "--steps", "100000", *servers], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                             "--steps", "100000", *servers], cwd=ROOT, start_new_session=True, **io)
     proc.log = log.name
+    if how == "terminal closed":
+        os.close(terminal)
+        hang_up = threading.Event()
+        threading.Thread(target=copy_terminal, args=(master, log, hang_up), daemon=True).start()
     RUNS.append(proc)
     wait_for_step(proc, tmp_path, 1)
     family = family_of(proc.pid)
     assert any("ref_server.py" in command_of(p) for p in family) and len(family) >= 6
-    if how in ("SIGTERM", "SIGHUP"):
-        os.killpg(proc.pid, getattr(signal, how))
+    if how == "SIGTERM":
+        os.killpg(proc.pid, signal.SIGTERM)
+    elif how == "terminal closed":
+        hang_up.set()
     elif how == "Ctrl-C twice":
         asked = time.time()
         os.killpg(proc.pid, signal.SIGINT)
@@ -334,11 +365,15 @@ def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, 
     assert proc.wait() != 0
     said = open(proc.log).read()
     assert "resource_tracker" not in said and not [sign for sign in TRACEBACKS if sign in said], said[-3000:]
-    if how in ("SIGTERM", "SIGHUP"):
+    if how == "SIGTERM":
         stopped = re.search(r"^stopped after step (\d+) of 100000 \(Ctrl-C\): .* last checkpoint "
                             rf"{tmp_path}/step_\d+; to continue:$", said, re.M)
         assert stopped and (tmp_path / "latest").read_text() == f"step_{stopped.group(1)}", said[-3000:]
-        assert proc.returncode == 128 + getattr(signal, how)
+        assert proc.returncode == 128 + signal.SIGTERM
+    if how == "terminal closed":
+        last = rows_of(tmp_path)[-1]["step"]
+        assert (tmp_path / "latest").read_text() == f"step_{last}", said[-3000:]
+        assert proc.returncode == 128 + signal.SIGHUP
     if how == "Ctrl-C twice":
         assert proc.returncode == 130 and re.fullmatch(r"step_\d+", (tmp_path / "latest").read_text()), said
     if how == "ref server dies":

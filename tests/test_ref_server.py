@@ -827,12 +827,22 @@ def in_process_args(*flags):
 @contextmanager
 def serve_in_thread(app, args):
     """`app` served over loopback as main() serves it (ref_server.serve), in this process (to look inside it)."""
-    server = serve(app, args)
-    thread = threading.Thread(target=server.run, daemon=True)
+    server, closing = serve(app, args), threading.Event()
+
+    def run():
+        try:
+            server.run()
+        except OSError:
+            # close() from this thread can end the loop's select with EBADF: the way it stops (webtest's
+            # StopableWSGIServer does the same)
+            if not closing.is_set():
+                raise
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.effective_port}"
     finally:
+        closing.set()
         server.close()
         thread.join(10)
 
