@@ -325,8 +325,8 @@ def test_stopping_the_demo_stops_every_process_it_started(tmp_path, demo_model, 
     launcher, the ranks and vLLM all end (the last within seconds, not after --ref-wait). run_demo passes a
     SIGTERM or a SIGHUP on to the launcher's group as a Ctrl-C, so the run stops as a launch by hand does:
     the ranks finish the step, save it and print the line that continues the run (after a hang-up, to no one:
-    the step saved is the last one logged). Ctrl-C twice (to the demo's group, as a terminal sends it), the second once the first's checkpoint
-    is saved, while the ranks shut down: the demo exits with code 130. However it stops, no process prints a
+    the step saved is the last one logged). Ctrl-C twice (to the demo's group, as a terminal sends it), the
+    second once the first's checkpoint is saved, while the ranks shut down: the demo exits with code 130. However it stops, no process prints a
     traceback (the launcher's runner printed one at each Ctrl-C) or is reported to have leaked a semaphore."""
     # with SIGTERM and the terminal closed, two reference servers of the demo's own: in its process group,
     # they end at the signal too
