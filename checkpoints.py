@@ -17,7 +17,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from lora import vllm_weights
-from placement import stop_with
+from placement import leave_a_closed_terminal, stop_with
 from run_folder import remove
 
 
@@ -298,6 +298,8 @@ class StopAfterStep:
         self.ctrl_c |= ctrl_c
         self.requested = True
         if first:
+            # a stop that comes as the terminal closes (the demo's SIGHUP): the step still finishes and saves
+            leave_a_closed_terminal()
             self.asked_by = "Ctrl-C" if ctrl_c else "SIGTERM"
             again = " (Ctrl-C again: at once)" if ctrl_c else ""
             if dist.get_rank() == 0:

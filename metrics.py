@@ -6,13 +6,13 @@ import math
 import os
 import sys
 import time
-from contextlib import contextmanager
 from statistics import fmean as mean, stdev
 
 import psutil
 import torch
 import torch.distributed as dist
 
+from placement import leave_a_closed_terminal
 from run_folder import clear_run, keep_rows
 
 
@@ -105,7 +105,7 @@ def first_step_check(log):
     return f"self-check at step 1 failed: {'; '.join(causes)}" if causes else None
 
 
-@contextmanager
+@contextlib.contextmanager
 def timed(times, key):
     """times[key] = the seconds the block took."""
     t0 = time.time()
@@ -237,14 +237,22 @@ class Progress:
             return
         # a terminal's in-place line: back to its start, cleared
         back = "\r\x1b[K" if tty and self.open_line else ""
-        self.stream.write(back + text + ("\n" if keep else ""))
-        self.stream.flush()
+        self.put(back + text + ("\n" if keep else ""))
         self.open_line = not keep
 
     def say(self, text):
         """A line of its own (a warning, the end), below the line being rewritten, if any."""
-        print(("\n" if self.open_line else "") + text, file=self.stream, flush=True)
+        self.put(("\n" if self.open_line else "") + text + "\n")
         self.open_line = False
+
+    def put(self, text):
+        """text, now; to a terminal that has closed (placement.leave_a_closed_terminal), to no one."""
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except OSError:
+            if not leave_a_closed_terminal():
+                raise
 
 
 def numbers(log):

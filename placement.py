@@ -1,8 +1,10 @@
 """Where a run's processes go on a machine: the training GPUs, the share of one an engine may take, the
-reference server rank 0 starts, and which rank speaks for all when a mistake stops them. A leaf module (it
-imports no other of the project's): run_setup.py and checkpoints.py check the flags with it, generation.py
-and weight_transfer.py place and start processes with it."""
+reference server rank 0 starts, which rank speaks for all when a mistake stops them, and where a
+process's output goes once its terminal has closed. A leaf module (it imports no other of the project's):
+run_setup.py and checkpoints.py check the flags with it, generation.py and weight_transfer.py place and
+start processes with it, metrics.py writes the console through it."""
 import ctypes
+import errno
 import ipaddress
 import os
 import secrets
@@ -31,6 +33,26 @@ def stop_with(message):
         time.sleep(30)
     print(f"grpo_train.py: {message}", file=sys.stderr, flush=True)
     raise SystemExit(1)
+
+
+def leave_a_closed_terminal():
+    """After the terminal a process writes to has closed (hung up: the demo's, whose SIGHUP it passes on as
+    a Ctrl-C), every write to it fails with EIO, and the next print would end the process before the step
+    it is finishing is saved. Then its stdout and stderr, wherever the terminal was, go to /dev/null:
+    nothing written there had anywhere to go. -> whether the terminal had closed"""
+    closed = False
+    for fd in (1, 2):
+        try:
+            os.write(fd, b"")
+        # another error (a closed descriptor) is the caller's own write's to report
+        except OSError as e:
+            if e.errno != errno.EIO:
+                continue
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+            closed = True
+    return closed
 
 
 def training_gpus(world):

@@ -3,11 +3,16 @@ the closing line, the completions files and the saved config."""
 import io
 import json
 import os
+import pty
 import re
+import select
 import struct
+import subprocess
+import sys
 
 import pytest
 
+from conftest import ROOT
 from metrics import FIRST_STEP_GAP, FIRST_STEP_KL, MetricsLog, NoSignalWatch, Progress, first_step_check
 
 # the self-check's line, as first_step_check begins it
@@ -107,6 +112,41 @@ def test_progress_shows_step_total_elapsed_and_eta_and_spares_a_log_file():
         progress.show(step, f"step {step}")
     progress.say("a warning")
     assert screen.getvalue() == "step 1\nstep 2\r\x1b[Kstep 3\r\x1b[Kstep 100\na warning\n"
+
+
+# a process whose terminal then closes, as a rank's does when the demo's terminal closes (the rank is in the
+# launcher's session, so no SIGHUP reaches it): it waits for the hang-up, then writes a line and a warning
+AFTER_THE_TERMINAL = """
+import os, sys, time
+from metrics import Progress
+progress = Progress(1, 10)
+progress.show(1, "step 1", keep=True)
+deadline = time.time() + 60
+while os.isatty(1) and time.time() < deadline:
+    time.sleep(0.01)
+progress.show(2, "step 2", keep=True)
+progress.say("the run stops after this step")
+print("and a print", flush=True)
+with open(sys.argv[1], "w") as f:
+    f.write(os.path.realpath("/proc/self/fd/1") + " " + os.path.realpath("/proc/self/fd/2"))
+"""
+
+
+def test_a_closed_terminal_leaves_the_process_going_unheard(tmp_path):
+    """Once its terminal has closed (hung up), every write to it fails with EIO: Progress's next line, which
+    ended a rank before it could save the step it was finishing, goes to no one, and so does every write
+    after it (stdout and stderr are /dev/null); the process goes on to its end."""
+    master, terminal = pty.openpty()
+    done = tmp_path / "done"
+    proc = subprocess.Popen([sys.executable, "-c", AFTER_THE_TERMINAL, str(done)], cwd=ROOT, stdout=terminal,
+                            stderr=terminal, env={**os.environ, "PYTHONPATH": ROOT})
+    os.close(terminal)
+    seen = b""
+    while b"step 1" not in seen:
+        assert select.select([master], [], [], 60)[0], seen
+        seen += os.read(master, 1024)
+    os.close(master)
+    assert proc.wait(timeout=60) == 0 and done.read_text() == "/dev/null /dev/null"
 
 
 def test_the_closing_line_completions_and_held_out_outputs(tmp_path, capsys):
