@@ -32,12 +32,13 @@ def merge_batches(parts, scale_rewards="group"):
             merged[k] = None if None in values else max(values)
         elif k == "time/gen_idle_s":
             merged[k] = min(values)
+        elif k == "reward/std":
+            merged[k] = pooled_std(metrics)
         elif k == "samples":   # a few (prompt, completion, reward) rows of each engine
             merged[k] = [row for rows in values for row in rows]
         else:
             merged[k] = sum(w * v for w, v in zip(weights, values)) / sum(weights)
-    merged.update({"gen/engines": len(parts), "time/gen_min_s": min(m["time/gen_s"] for m in metrics),
-                   "reward/std": pooled_std(metrics)})
+    merged.update({"gen/engines": len(parts), "time/gen_min_s": min(m["time/gen_s"] for m in metrics)})
     seqs = [s for p in parts for s in p["seqs"]]
     if scale_rewards == "batch":
         batch_std = merged["reward/std"] + 1e-4

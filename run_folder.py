@@ -27,17 +27,19 @@ def clear_run(out_dir):
 def keep_rows(path, key, last_step):
     """A run's JSON-lines file cut to its rows whose `key` is at most last_step (none for a new run, at
     last_step 0), replaced by a rename, so a kill meanwhile leaves the old file -> the rows kept. A line that
-    is not JSON, the torn last line of a killed run, is dropped. No file: nothing is written."""
-    kept = []
+    is not JSON (the torn last line of a killed run), or no row with a step, is dropped. No file: nothing is
+    written."""
     if not os.path.exists(path):
-        return kept
-    with open(path) as f:
+        return []
+    kept = []
+    # a new run keeps no row: its old file is not read
+    with open(path if last_step else os.devnull) as f:
         for line in f:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if last_step and row[key] <= last_step:
+            if isinstance(row, dict) and isinstance(row.get(key), int) and row[key] <= last_step:
                 kept.append((line, row))
     with open(path + ".tmp", "w") as f:
         f.writelines(line for line, _ in kept)

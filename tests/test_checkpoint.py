@@ -423,9 +423,11 @@ def test_metrics_and_completions_are_cut_to_the_checkpoint_only_once_it_has_load
     """On resume from step 10, metrics.jsonl, completions.jsonl and eval_completions.jsonl keep the rows up
     to step 10 (the completions files kept the later steps too, which the resumed run then wrote twice), and
     drop the torn line a killed run left last: the rewrite waits for the first row, which a run writes after
-    its checkpoint has loaded (a checkpoint that fails to load leaves them all)."""
+    its checkpoint has loaded (a checkpoint that fails to load leaves them all). A line that is JSON but no
+    row of the file's (no step: a note added by hand) is dropped too, where it was a traceback."""
     from metrics import MetricsLog
-    jsonl(tmp_path / "metrics.jsonl", [{"step": s} for s in range(1, 42)], torn=True)
+    jsonl(tmp_path / "metrics.jsonl", [{"step": s} for s in range(1, 21)] + [{"note": "lr 3e-4"}, 7]
+          + [{"step": s} for s in range(21, 42)], torn=True)
     jsonl(tmp_path / "completions.jsonl", [{"step": s} for s in range(1, 42)], torn=True)
     # an evaluation's rows name the step it scored
     jsonl(tmp_path / "eval_completions.jsonl", [{"eval/step": s} for s in range(0, 42, 5)], torn=True)
