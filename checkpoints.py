@@ -28,7 +28,7 @@ FREE_ON_RESUME = {
     "steps", "out_dir", "resume", "overwrite", "resume_with_changes", "local_rank", "micro_batch",
     "grad_ckpt", "ds_config", "gen_device", "gen_devices", "gen_urls", "gen_timeout", "gen_mem",
     "gen_kv_gb", "ref_url", "ref_device", "ref_wait", "sync_tol", "max_skips", "threads", "dist_timeout",
-    "reward_workers", "eval_every", "eval_size", "eval_only", "save_every", "keep_checkpoints",
+    "reward_workers", "eval_every", "eval_only", "save_every", "keep_checkpoints",
     "tensorboard", "wandb", "log_every", "log_completions", "log_completions_every", "config"}
 # flags no resume can change: the checkpoint's weights are these
 FIXED_ON_RESUME = ("model", "lora_rank", "lora_targets")
@@ -81,6 +81,14 @@ def holds_run(out_dir):
     return None
 
 
+def checkpoint_in(model, out_dir):
+    """Whether the folder `model` is, or is in, a step_N (or step_N.tmp) checkpoint of out_dir."""
+    if not model or not os.path.isdir(model):
+        return False
+    inside = os.path.relpath(os.path.realpath(model), os.path.realpath(out_dir)).split(os.sep)[0]
+    return re.fullmatch(r"step_\d+(\.tmp)?", inside) is not None
+
+
 def flag_changes(saved, config):
     """-> ["--lr 0.001 (was 1e-06)", ...]: the flags of config that differ from the saved run's."""
     return [f"--{k.replace('_', '-')} {config.get(k)} (was {v})" for k, v in saved.items()
@@ -99,6 +107,11 @@ def read_state(master, *, out_dir, resume, steps, overwrite=False, resume_with_c
     if eval_only and resume:
         stop_with(f"--eval-only evaluates --model; it takes no --resume: name the checkpoint "
                   f"(--model {os.path.join(out_dir, 'step_N')})")
+    # a run saves over, prunes and (--overwrite) removes its --out-dir's checkpoints, and its policy and
+    # reference load from --model meanwhile
+    if not eval_only and checkpoint_in(flags.get("model"), out_dir):
+        stop_with(f"--model {flags['model']} is a checkpoint in --out-dir {out_dir}, which this run saves "
+                  f"over, prunes or removes: copy it out first, or pass another --out-dir")
     # --eval-only writes only its result (beside the checkpoint it evaluates): no run's folder to hold
     if master and not eval_only:
         hold_out_dir(out_dir)

@@ -293,9 +293,6 @@ class MetricsLog:
             "model": model, "task": task, "chat_template": chat_template, "out_dir": out_dir, "steps": steps,
             "tensorboard": tensorboard, "wandb": wandb, "log_completions": log_completions,
             "log_completions_every": log_completions_every, "log_every": log_every, **flags}
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(out_dir)
         if wandb:
             import wandb as wandb_module
             self.wandb = wandb_module.init(
@@ -326,6 +323,12 @@ class MetricsLog:
         kept = keep_rows(path, "step", self.resume_step)
         self.evals += [(row["eval/step"], row["eval/accuracy"]) for row in kept if "eval/step" in row]
         self.file = open(path, "a")
+        # a resumed run's clock and tensorboard's charts go on from its checkpoint: tensorboard hides the
+        # old run's points after it (purge_step), and all of a run --overwrite replaces
+        self.t_start -= kept[-1].get("time/elapsed_s", 0) if kept else 0
+        if self.resolved["tensorboard"]:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(self.out_dir, purge_step=self.resume_step + 1)
 
     def save_config(self, flags):
         """config.yaml: every flag of the run as resolved (command line over --config over the defaults), in

@@ -190,6 +190,20 @@ def test_an_out_dir_holding_a_run_is_refused_unless_resumed_or_overwritten(tmp_p
     assert refusal(capsys, tmp_path, "--overwrite") is None
 
 
+def test_a_checkpoint_of_the_out_dir_as_model_is_refused(tmp_path, capsys):
+    """--model runs/x/step_2 --out-dir runs/x --overwrite removed the folder the run had loaded its policy and
+    reference from, then saved other weights under its name; a resume then loaded those as its reference."""
+    a_run(tmp_path, "--lr", "3e-4")
+    (tmp_path / "step_10" / "model").mkdir()
+    (tmp_path.parent / "link").symlink_to(tmp_path / "step_10")
+    for model in (tmp_path / "step_10", tmp_path / "step_10" / "model", tmp_path.parent / "link"):
+        line = refusal(capsys, tmp_path, "--model", str(model), "--overwrite")
+        assert f"--model {model} is a checkpoint in --out-dir {tmp_path}" in line, line
+        assert "copy it out first, or pass another --out-dir" in line
+    assert refusal(capsys, tmp_path, "--model", str(tmp_path / "step_10"), "--eval-only") is None
+    assert refusal(capsys, tmp_path / "step_10" / "model", "--model", str(tmp_path / "step_10")) is None
+
+
 # a step's metrics, as the step line needs them
 ROW = {"reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "entropy": 1.0, "completion_len/mean": 5.0, "frac_zero_std": 0.5}
 
@@ -240,6 +254,10 @@ def test_a_resume_that_changes_the_run_says_which_flags_and_needs_consent(tmp_pa
     assert "resuming after step 10 from" in capsys.readouterr().out
     line = refusal(capsys, tmp_path, "--lr", "1e-6", "--group-size", "4", "--resume")
     assert "--group-size 4 (was 8), --lr 1e-06 (was 0.0003)" in line, line
+    # without a test split, the held-out prompts come out of the training set: another --eval-size trains
+    # on another set (it was taken as free)
+    line = refusal(capsys, tmp_path, "--lr", "3e-4", "--eval-size", "40", "--resume")
+    assert "--eval-size 40 (was 200)" in line, line
     assert "--resume-with-changes" in line
     assert refusal(capsys, tmp_path, "--lr", "1e-6", "--resume", "--resume-with-changes") is None
     assert "resuming after step 10 from" in capsys.readouterr().out
@@ -439,6 +457,33 @@ def test_metrics_and_completions_are_cut_to_the_checkpoint_only_once_it_has_load
     assert steps_in(tmp_path / "metrics.jsonl") == list(range(1, 12))
     assert steps_in(tmp_path / "completions.jsonl") == list(range(1, 12))
     assert steps_in(tmp_path / "eval_completions.jsonl", "eval/step") == [0, 5, 10]
+
+
+def test_a_resumed_runs_clock_and_tensorboard_charts_go_on_from_its_checkpoint(tmp_path):
+    """time/elapsed_s started again at 0 on each resume (the plot's time axis ran back), and tensorboard kept
+    the old run's points past the checkpoint beside the new ones (two values at each of steps 11-41)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from metrics import MetricsLog
+    argv = ("--steps", "41", "--tensorboard")
+    old = MetricsLog(0, **{**flags(*argv), "out_dir": str(tmp_path)})
+    for step in range(1, 42):
+        old.write({"step": step, **ROW})
+    old.tb.close()
+    old.file.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({**r, "time/elapsed_s": 1000.0 + r["step"]})
+                                                    + "\n" for r in rows))
+    log = MetricsLog(10, **{**flags(*argv, "--resume"), "out_dir": str(tmp_path)})
+    log.write({"step": 11, **ROW, "loss": 7.0})
+    log.tb.close()
+    # the kept rows say the run had gone 1010 s at step 10
+    elapsed = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["time/elapsed_s"]
+    assert 1010 <= elapsed < 1010 + 60
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    loss = events.Scalars("loss")
+    assert [e.step for e in loss] == list(range(1, 12))
+    assert [e.value for e in loss] == pytest.approx([0.1] * 10 + [7.0])
 
 
 def test_a_symlinked_step_folder_is_removed_never_followed(tmp_path):
