@@ -372,7 +372,7 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
         elif msg["kind"] == "batch":
             t0 = time.time()
             along = ProbeAlong(llm, probing[0]) if probing else llm
-            batch = rollout(along, next_prompts, len(job["share"]))
+            batch = rollout(along, next_prompts, len(job["share"]), job["reward_spec"])
             if probing:
                 checked(along.got)
             batch["metrics"].update({"data/prompts_seen": pos * len(job["share"]) // per_step,

@@ -102,7 +102,7 @@ class GenerationProcess:
                  sync_tol, max_staleness, beta, ref_url, ref_device, ref_wait, eval_only, steps, ref_sync_every,
                  out_dir, fp32_lm_head=False, gen_urls=None, gen_timeout=600.0, dist_timeout=60,
                  scale_rewards="group", **_):
-        """rollout(llm, next_prompts, n_prompts) -> an engine's batch; reference(seqs) -> their reference
+        """rollout(llm, next_prompts, n_prompts, reward_spec) -> an engine's batch; reference(seqs) -> their reference
         log-probs, asked for (with --beta > 0) on the engine's scoring thread; state: the run's (data
         position, the reference's checkpoint); policy: the model the trainer starts from (its dtype is vLLM's; the
         reference servers must serve it); the rest are grpo_train.py's flags: gen_devices (or the one

