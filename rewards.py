@@ -7,15 +7,16 @@
     demo    1.0 if the last <answer>...</answer>, stripped, is exactly the string sample["answer"]
             ("42", "-3")
     countdown  1.0 if the last <answer>...</answer> is an expression of + - * / and parentheses (parsed
-            with `ast`, never eval'ed) using each of sample["numbers"] exactly once, whose value is
-            sample["answer"]: a number, or a string of one ("24", "-3", "7/2": JSONL data stores answers as
-            text)
+            with `ast`, never eval'ed) using each of sample["numbers"] (integers of 0 or more) exactly once,
+            whose value is sample["answer"]: a number (a float as written: 0.2 is 1/5), or a string of one
+            ("24", "-3", "7/2": JSONL data stores answers as text)
     code    fraction of sample["tests"] that pass after the code in the last <answer>...</answer> has run,
             in a bubblewrap jail (sandbox.py), judged by the trainer (judge.py: check_tests refuses, when the
             task loads, a test it cannot judge); nan (counted in reward/errors) when the jail could not run it
 
 Pick and weight them with --rewards "gsm8k,format:0.5" (parse_reward_spec) and combine them with score(), or
-score_all() for a batch (the code reward's jails --reward-workers at a time).
+score_all() for a batch (the code reward's jails --reward-workers at a time). COLUMNS says which sample
+columns a reward reads: a task that lacks them stops when it loads.
 """
 import ast
 import math
@@ -116,9 +117,18 @@ def exact_number(value) -> Fraction | None:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         return None
     try:
-        return Fraction(value)
+        # a float as its shortest decimal, the number the file wrote: Fraction(0.2) is the binary double
+        # 3602879701896397/18014398509481984, which no expression of integers equals
+        return Fraction(repr(value) if isinstance(value, float) else value)
     except (ValueError, ZeroDivisionError, OverflowError):   # "abc", "1/0", a float's inf or nan
         return None
+
+
+def countdown_numbers(numbers) -> bool:
+    """Whether a sample's "numbers" can all be used by an answer: a non-empty list of integers of 0 or more
+    (not bool, not float: the answer's integers are compared exactly; and an answer has no unary minus, so
+    a -3 could never be used)."""
+    return isinstance(numbers, list) and bool(numbers) and all(type(x) is int and x >= 0 for x in numbers)
 
 
 def countdown_reward(completion, sample):
@@ -144,10 +154,15 @@ def extract_code(completion: str) -> str | None:
     return code
 
 
+def are_tests(tests) -> bool:
+    """Whether a sample's "tests" are tests at all: a non-empty list of strings."""
+    return isinstance(tests, list) and bool(tests) and all(isinstance(t, str) for t in tests)
+
+
 def check_tests(tests) -> None:
     """A sample's "tests", checked when the task loads: a list of `assert ...` lines, each one the trainer
     can judge (judge.split_test). ValueError naming the first that is not."""
-    if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+    if not are_tests(tests):
         raise ValueError(f"expected a list of `assert ...` lines, got {str(tests)[:100]}")
     for test in tests:
         try:
@@ -157,10 +172,11 @@ def check_tests(tests) -> None:
 
 
 def code_reward(completion, sample):
-    """Fraction of the sample's unit tests that pass (sandbox.run_tests); 0 without an answer or tests."""
+    """Fraction of the sample's unit tests that pass (sandbox.run_tests); 0 without an answer or tests (a
+    non-empty list of strings)."""
     code = extract_code(completion)
     tests = sample.get("tests") if isinstance(sample, dict) else None
-    if not code or not isinstance(tests, list) or not tests:
+    if not code or not are_tests(tests):
         return 0.0
     try:
         return sandbox.run_tests(code, tests) / len(tests)
@@ -178,11 +194,19 @@ def code_reward(completion, sample):
 PARALLEL = {"code"}
 REWARDS = {"format": format_reward, "gsm8k": gsm8k_reward, "demo": demo_reward, "countdown": countdown_reward,
            "code": code_reward}
+# the sample columns a reward reads, each with what it must hold and a test of it: tasks.load_task refuses
+# data without them in one line, where every row would score 0 and nothing would say why
+COLUMNS = {
+    "countdown": {"numbers": ("a list of integers of 0 or more", countdown_numbers),
+                  "answer": ("a number or a string of one", lambda v: exact_number(v) is not None)},
+    "code": {"tests": ("a list of `assert ...` lines", are_tests)},
+}
 
 
-def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
+def parse_reward_spec(spec: str, jail: bool = True) -> list[tuple[str, float]]:
     """'gsm8k,format:0.5' -> [('gsm8k', 1.0), ('format', 0.5)]. ValueError on an unknown name or bad weight,
-    or for "code" where its jail cannot run (sandbox.check_jail): the run refuses to start, not score 0."""
+    or for "code" where its jail cannot run (sandbox.check_jail): the run refuses to start, not score 0.
+    jail=False leaves the jail untried (tasks.load_task reads the names alone)."""
     out = []
     for part in spec.split(","):
         name, _, weight = (x.strip() for x in part.partition(":"))
@@ -198,7 +222,7 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
             raise ValueError(f"bad weight {weight!r} for reward {name!r}; use name[:weight], valid names: "
                              f"{', '.join(REWARDS)}")
         out.append((name, w))
-    if "code" in dict(out):
+    if jail and "code" in dict(out):
         try:
             sandbox.check_jail()
         except RuntimeError as e:

@@ -384,7 +384,7 @@ def build_engine(model, ds_config_path, lr, micro_batch):
 
 
 def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key, answer_key, chat_template,
-                 eval_only=False, **_):
+                 eval_only=False, rewards=None, **_):
     """-> (train samples, held-out samples, number of prompts skipped for being over max_prompt_len).
     Each sample has its prompt's token ids ("prompt_ids", from drop_long_prompts), which vLLM is given.
     Data without a test split gives eval_size distinct prompts of its train split to the held-out set (a
@@ -392,7 +392,7 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
     stops the run with one line. Rank 0 says what was loaded."""
     try:
         train_all, test = [load_task(task, split, data=data, seed=seed, tokenizer=tok, prompt_key=prompt_key,
-                                     answer_key=answer_key, chat_template=chat_template)
+                                     answer_key=answer_key, chat_template=chat_template, reward_spec=rewards)
                            for split in ("train", "test")]
     except DataError as e:
         stop_with(e)

@@ -7,14 +7,16 @@ and "answer" (the gold answer the rewards compare against).
     countdown  reach a target from 3 or 4 numbers with + - * /, each number once: generated from a seed
                (held-out problems from a fixed seed), or read from files with "numbers" and "target"
     code       small Python functions (PROBLEMS) checked by unit tests in a jail (sandbox.py)
-    custom     the user's own prompts: a JSONL/Parquet file, a folder with train/test files, or a hub
-               dataset (--data), with a prompt column and an answer column (prompt_key, answer_key); every
-               other column stays in the sample for the rewards (e.g. "tests" for the code reward)
+    custom     the user's own prompts: a JSONL/JSON/Parquet file, a folder with train/test files, or a hub
+               dataset (--data, "name:config" for one of several configs), with a prompt column and an
+               answer column (prompt_key, answer_key); every other column stays in the sample for the
+               rewards (e.g. "tests" for the code reward)
 
 Prompts of the real tasks go through the tokenizer's chat template with SYSTEM_PROMPT (chat_template "auto");
 with chat_template "none" a custom prompt is the column's text exactly, a built-in task's the plain text.
 A task read from files that has no test split returns None for it: run_setup.load_prompts then holds out rows
-of the train split. A problem with the user's data is a DataError naming the file, line and column.
+of the train split. A problem with the user's data is a DataError naming the file, line and column; so is a
+column that a reward of --rewards reads (rewards.COLUMNS) missing or of the wrong type.
 """
 import itertools
 import json
@@ -71,11 +73,11 @@ def chat_prompt(tokenizer, user: str, chat_template: str = "auto") -> str:
 
 def data_file(data: str, split: str) -> str | None:
     """-> the file of `split` ("train" or "test") that --data names, or None for a test split it lacks.
-    --data is a folder holding {train,test}.{jsonl,parquet} (the layout of the GSM8K release), or a file: one
-    whose name has the word "train" or "test" (gsm_train_v2.jsonl) finds the other split by swapping that
-    word; any other file is the train split alone."""
+    --data is a folder holding {train,test}.{jsonl,json,parquet} (the layout of the GSM8K release; the first
+    found, in that order), or a file: one whose name has the word "train" or "test" (gsm_train_v2.jsonl)
+    finds the other split by swapping that word; any other file is the train split alone."""
     if os.path.isdir(data):
-        candidates = [os.path.join(data, f"{split}.{ext}") for ext in ("jsonl", "parquet")]
+        candidates = [os.path.join(data, f"{split}{ext}") for ext in DATA_SUFFIXES]
     elif os.path.islink(data) and not os.path.exists(data):
         raise DataError(f"--data {data}: a broken symbolic link (to {os.readlink(data)})")
     elif not os.path.isfile(data):
@@ -97,13 +99,50 @@ def data_file(data: str, split: str) -> str | None:
             return path
     if split == "test":
         return None
-    raise DataError(f"--data {data}: no {split} split (looked for {' and '.join(candidates)})")
+    raise DataError(f"--data {data}: no {split} split (looked for {', '.join(candidates)})")
+
+
+def utf8(path: str, line: int, raw: bytes) -> str:
+    """raw (line `line` of `path` on) as text, or a DataError naming the line and column of a byte not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        at, column = line + raw.count(b"\n", 0, e.start), e.start - raw.rfind(b"\n", 0, e.start)
+        raise DataError(f"{path}:{at}: not UTF-8 text (byte {raw[e.start]:#04x} at column {column}): save "
+                        f"the file as UTF-8") from None
+
+
+def json_value(path: str, line: int, text: str, what: str):
+    """The JSON value of `text` (from line `line` of `path` on), or a DataError naming the line: `what` the
+    text is not."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        hint = "; a .json file holds one JSON array of records, or one record a line" * (
+            what == "a JSON line" and path.endswith(".json"))
+        raise DataError(f"{path}:{line + e.lineno - 1}: not {what} ({e.msg}, column {e.colno}){hint}") from None
+    # json's limits beyond its syntax: Python's on an integer's digits (a ValueError), and its own stack
+    # on values nested in values (100,000 `[`)
+    except RecursionError:
+        raise DataError(f"{path}:{line}: not {what} that can be read (nested too deep)") from None
+    except ValueError as e:
+        raise DataError(f"{path}:{line}: not {what} that can be read ({str(e).split(':')[0]})") from None
+
+
+def no_lone_surrogate(where: str, text: str, value) -> None:
+    """A JSON escape (\\ud800) can be half of a UTF-16 pair, which is no text (a tokenizer raises TypeError
+    on it): a DataError naming `where` if `value`, read from `text`, holds one."""
+    half = "\\ud" in text.lower() and re.search(r"[\ud800-\udfff]", json.dumps(value, ensure_ascii=False))
+    if half:
+        raise DataError(f"{where}: holds a lone surrogate ({ascii(half[0])}, half of a UTF-16 pair), which is "
+                        f"no text")
 
 
 def read_records(path: str) -> list[tuple[str, dict]]:
-    """(where, record) for each record of a JSONL or Parquet file, where = "path:line" (or "path row i"), so
-    that an error names the place; a bad line (not JSON, not UTF-8) or an unreadable Parquet file is a
-    DataError naming the file and line."""
+    """(where, record) for each record of a JSONL, JSON or Parquet file, where = "path:line" (or "path row
+    i"), so that an error names the place. A .json file that starts with `[` is one JSON array of records
+    (json.dump's layout); any other is JSON lines. A bad line (not JSON, not UTF-8), a file that cannot be
+    read or an unreadable Parquet file is a DataError naming the file and line."""
     if path.endswith(".parquet"):
         import pyarrow
         import pyarrow.parquet
@@ -113,25 +152,22 @@ def read_records(path: str) -> list[tuple[str, dict]]:
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise DataError(f"{path}: not a readable Parquet file ({why})") from None
         return [(f"{path} row {i}", r) for i, r in enumerate(rows, 1)]
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    if path.endswith(".json") and raw.lstrip()[:1] == b"[":
+        text = utf8(path, 1, raw)
+        out = [(f"{path} row {i}", r) for i, r in enumerate(json_value(path, 1, text, "JSON"), 1)]
+        for where, r in out:
+            no_lone_surrogate(where, text, r)
+        return out
     out = []
-    with open(path, "rb") as f:
-        for i, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{i}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
-                                f"{e.start + 1}): save the file as UTF-8") from None
-            if line.strip():
-                try:
-                    out.append((f"{path}:{i}", json.loads(line.rstrip("\n"))))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{i}: not a JSON line ({e.msg}, column {e.colno})") from None
-                # a JSON escape (\ud800) can be half of a UTF-16 pair, which is no text: a tokenizer
-                # raises TypeError on it
-                if "\\ud" in line.lower() and (half := re.search(
-                        r"[\ud800-\udfff]", json.dumps(out[-1][1], ensure_ascii=False))):
-                    raise DataError(f"{path}:{i}: holds a lone surrogate ({ascii(half[0])}, half of a "
-                                    f"UTF-16 pair), which is no text")
+    for i, line in enumerate(raw.split(b"\n"), 1):
+        if (text := utf8(path, i, line)).strip():
+            out.append((f"{path}:{i}", json_value(path, i, text, "a JSON line")))
+            no_lone_surrogate(f"{path}:{i}", text, out[-1][1])
     return out
 
 
@@ -187,13 +223,13 @@ def countdown_problems(n: int, seed: int, exclude=frozenset()) -> list[dict]:
 
 
 def countdown_record(where: str, r) -> dict:
-    """r if it has "numbers" (a list of integers) and an integer "target", else a DataError naming `where`: a
-    malformed problem would otherwise score 0 forever, silently."""
-    is_int = lambda x: type(x) is int   # not bool, not float: the reward compares exact integers
-    if not (isinstance(r, dict) and isinstance(r.get("numbers"), list) and r["numbers"]
-            and all(map(is_int, r["numbers"])) and is_int(r.get("target"))):
-        raise DataError(f"{where}: a Countdown record needs 'numbers' (a list of integers) and an integer "
-                         f"'target'")
+    """r if it has "numbers" (a list of integers of 0 or more: rewards.countdown_numbers) and an integer
+    "target", else a DataError naming `where`: a malformed problem would otherwise score 0 forever, silently."""
+    # not bool, not float: the reward compares exact integers
+    if not (isinstance(r, dict) and rewards.countdown_numbers(r.get("numbers"))
+            and type(r.get("target")) is int):
+        raise DataError(f"{where}: a Countdown record needs 'numbers' (a list of integers of 0 or more) and "
+                        f"an integer 'target'")
     return r
 
 
@@ -282,19 +318,34 @@ def code_samples(split: str, tokenizer, chat_template: str) -> list[dict]:
     return out
 
 
+def check_columns(where: str, r: dict, names, answer_key: str = "answer") -> None:
+    """A DataError naming `where` if record r lacks a column that a reward of `names` reads (rewards.COLUMNS;
+    its "answer" is r's answer_key), or holds in it what the reward cannot use: every row would score 0."""
+    for name in names:
+        for column, (what, ok) in rewards.COLUMNS.get(name, {}).items():
+            key = answer_key if column == "answer" else column
+            if key not in r:
+                raise DataError(f"{where}: no {key!r} column, which reward {name!r} reads; this record has "
+                                f"{', '.join(map(repr, r))}")
+            if not ok(r[key]):
+                raise DataError(f"{where}: reward {name!r} needs the {key!r} column to be {what}, not "
+                                f"{json.dumps(r[key], default=repr)[:60]}")
+
+
 def custom_samples(split: str, data: str | None, tokenizer, prompt_key: str, answer_key: str,
-                   chat_template: str) -> list[dict] | None:
-    """Records of --data (local files as data_file finds them, else a hub dataset's split; None for a test
-    split it does not have): the prompt column through chat_prompt (with chat_template "none", as it is), the
-    answer column as "answer", the other columns kept as they are."""
+                   chat_template: str, names=()) -> list[dict] | None:
+    """Records of --data (local files as data_file finds them, else a hub dataset's split, "name:config" for
+    one of its configs; None for a test split it lacks): the prompt column through chat_prompt (with
+    chat_template "none", as it is), the answer column as "answer", the other columns as they are."""
     if data is None:
-        raise DataError("--task custom reads --data: a JSONL or Parquet file, a folder with train/test "
+        raise DataError("--task custom reads --data: a JSONL, JSON or Parquet file, a folder with train/test "
                         "files, or a hub dataset name")
     # a file's name (or a path) that is not there is a typo, not a hub dataset to look for; nor is a link
     if os.path.lexists(data) or data.endswith(DATA_SUFFIXES) or data.startswith((".", "/", "~")):
         records = local_records(data, split)
     else:
-        records = hub_records(data, split)
+        name, _, config = data.partition(":")
+        records = hub_records(name, split, config or None, f"--data {data}: no such file or folder")
     if records is None:
         return None
     out = []
@@ -316,6 +367,7 @@ def custom_samples(split: str, data: str | None, tokenizer, prompt_key: str, ans
         if not isinstance(r[prompt_key], str):
             raise DataError(f"{where}: the {prompt_key!r} column must be text, "
                             f"not {type(r[prompt_key]).__name__}")
+        check_columns(where, r, names, answer_key)
         prompt = r[prompt_key] if chat_template == "none" else chat_prompt(tokenizer, r[prompt_key])
         out.append({**r, "prompt": prompt, "answer": r[answer_key]})
     return out
@@ -331,7 +383,13 @@ def hub_records(data: str, split: str, config: str | None = None,
     import datasets
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
     missing = lead or f"--data {data}: no such file or folder"
+    # no name of the hub's (data/sub/my_set): offline, datasets would look for it as a local folder
+    try:
+        validate_repo_id(data)
+    except HFValidationError:
+        raise DataError(f"{missing}, nor a dataset on the hub") from None
     if not datasets.config.HF_HUB_OFFLINE:
         try:
             HfApi().dataset_info(data, timeout=HUB_TIMEOUT)
@@ -349,6 +407,13 @@ def hub_records(data: str, split: str, config: str | None = None,
         raise DataError(f"{missing}, nor a dataset on the hub") from None
     except ConnectionError as e:   # offline, and not in the cache
         raise DataError(f"{missing}, nor a dataset in datasets' cache ({e})") from None
+    # a dataset of several configs, without one or with one it lacks: datasets' message lists them
+    except ValueError as e:
+        if not (configs := re.search(r"(?:configs|Available): \[(.*?)\]", str(e))):
+            raise
+        configs = configs[1].replace("'", "")
+        raise DataError(f"--data {data}{':' + config if config else ''}: the hub dataset's configs are "
+                        f"{configs}: name one, as --data {data}:{configs.split(',')[0]}") from None
     if split == "train" and split not in splits:
         raise DataError(f"--data {data}: no train split (the hub dataset has {', '.join(splits)})")
     return [(f"{data} {split} row {i}", r) for i, r in enumerate(splits[split], 1)] \
@@ -356,20 +421,29 @@ def hub_records(data: str, split: str, config: str | None = None,
 
 
 def load_task(name: str, split: str, *, data: str | None = None, seed: int = 0, tokenizer=None,
-              prompt_key: str = "prompt", answer_key: str = "answer",
-              chat_template: str = "auto") -> list[dict] | None:
+              prompt_key: str = "prompt", answer_key: str = "answer", chat_template: str = "auto",
+              reward_spec: str | None = None) -> list[dict] | None:
     """split is "train" (sampled for GRPO) or "test" (held out, for evaluation only; None when --data has no
     test split); prompt_key and answer_key name the columns of --task custom; chat_template "auto" applies
-    the tokenizer's, "none" leaves the prompts as text (the demo's are plain text either way)."""
+    the tokenizer's, "none" leaves the prompts as text (the demo's are plain text either way). reward_spec
+    (--rewards): the samples must have the columns its rewards read (check_columns)."""
+    names = [n for n, _ in rewards.parse_reward_spec(reward_spec, jail=False)] if reward_spec else []
+    # a path from the user's home (~/x.jsonl, as a shell would expand it unquoted, and a --config file not)
+    data = os.path.expanduser(data) if data else data
+    if name == "custom":
+        return custom_samples(split, data, tokenizer, prompt_key, answer_key, chat_template, names)
     if name == "demo":
         from demo.task import make_samples
-        return make_samples(split, seed=seed)
-    if name == "gsm8k":
-        return gsm8k_samples(split, data, tokenizer, chat_template)
-    if name == "countdown":
-        return countdown_samples(split, data, seed, tokenizer, chat_template)
-    if name == "code":
-        return code_samples(split, tokenizer, chat_template)
-    if name == "custom":
-        return custom_samples(split, data, tokenizer, prompt_key, answer_key, chat_template)
-    raise DataError(f"--task {name}: unknown: expected one of demo, gsm8k, countdown, code, custom")
+        samples = make_samples(split, seed=seed)
+    elif name == "gsm8k":
+        samples = gsm8k_samples(split, data, tokenizer, chat_template)
+    elif name == "countdown":
+        samples = countdown_samples(split, data, seed, tokenizer, chat_template)
+    elif name == "code":
+        samples = code_samples(split, tokenizer, chat_template)
+    else:
+        raise DataError(f"--task {name}: unknown: expected one of demo, gsm8k, countdown, code, custom")
+    # a task's samples are all alike: the first says whether the rewards can score any
+    if samples:
+        check_columns(f"--task {name}", samples[0], names)
+    return samples

@@ -174,3 +174,22 @@ def test_the_reward_workers_flag(capsys):
         get_args(["--model", "m", "--reward-workers", "0"])
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--reward-workers" in err
+
+
+def test_a_countdown_answer_stored_as_a_json_float_counts():
+    """An answer stored as the JSON number 0.2 was read as the double nearest it (3602879701896397 /
+    18014398509481984), which no expression of integers equals: every completion scored 0. A float is now
+    the decimal the file wrote."""
+    for numbers, gold, expression in [([1, 5], 0.2, "1 / 5"), ([3, 10], 0.3, "3 / 10"), ([5, 2], 2.5, "5 / 2")]:
+        sample = {"numbers": numbers, "answer": gold}
+        assert REWARDS["countdown"](f"<answer>{expression}</answer>", sample) == 1.0, gold
+        assert REWARDS["countdown"](f"<answer>{expression} + 0</answer>", sample) == 0.0
+    assert REWARDS["countdown"]("<answer>1 / 5</answer>", {"numbers": [1, 5], "answer": 0.21}) == 0.0
+    assert REWARDS["countdown"]("<answer>1 / 3</answer>", {"numbers": [1, 3], "answer": 1 / 3}) == 0.0
+
+
+def test_the_code_reward_never_raises_on_tests_that_are_no_text():
+    """tests=[1] raised TypeError out of the code reward: a sample without a test string has no tests, 0."""
+    answer = "<answer>def f():\n    return 1</answer>"
+    for tests in ([1], [None], ["assert f() == 1", 2], [["assert f() == 1"]]):
+        assert REWARDS["code"](answer, {"tests": tests}) == 0.0, tests

@@ -417,3 +417,145 @@ def test_unreadable_files_are_one_line_naming_the_file(tmp_path, capsys):
             load_prompts(path)
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "Traceback" not in err and path.name in err
+
+
+# ------------------------------------------------- what loaded but scored 0 forever, or ended in a traceback
+
+def test_countdown_numbers_below_0_are_refused_when_the_file_loads(tmp_path):
+    """An answer has no unary minus (-3 is one), so a problem with a negative number loaded and scored 0
+    on every completion. It stops the run at load, as other malformed Countdown records do; 0 is a number."""
+    write_jsonl(tmp_path / "countdown_train.jsonl", [{"numbers": [1, 2, 3], "target": 6},
+                                                     {"numbers": [-3, 5, 7], "target": 9}])
+    with pytest.raises(tasks.DataError, match=r"countdown_train.jsonl:2: a Countdown record needs 'numbers' \(a "
+                                              r"list of integers of 0 or more\) and an integer 'target'$"):
+        tasks.load_task("countdown", "train", data=str(tmp_path / "countdown_train.jsonl"), tokenizer=TOK)
+    write_jsonl(tmp_path / "zero.jsonl", [{"numbers": [0, 5, 7], "target": 12}])
+    (s,) = tasks.load_task("countdown", "train", data=str(tmp_path / "zero.jsonl"), tokenizer=TOK)
+    assert rewards.countdown_reward("<answer>0 + 5 + 7</answer>", s) == 1.0
+
+
+def test_a_column_a_reward_reads_missing_or_of_the_wrong_type_is_one_line(tmp_path, capsys):
+    """MBPP's tests are in 'test_list', not 'tests': --rewards code scored 0 on every row, and said nothing;
+    so did custom Countdown rows whose numbers were strings, and a built-in task scored by a reward that
+    reads a column it lacks. Each reward says which columns it reads (rewards.COLUMNS): a row without one, or
+    with what the reward cannot use, stops the run at load in one line naming the reward, file and column."""
+    mbpp = {"prompt": "Write double(x).", "answer": "", "test_list": ["assert double(2) == 4"]}
+    write_jsonl(tmp_path / "mbpp.jsonl", [mbpp])
+    write_jsonl(tmp_path / "cd.jsonl", [{"prompt": "Make 22.", "numbers": [3, 5, 7], "answer": 22},
+                                        {"prompt": "Make 22 again.", "numbers": ["3", "5", "7"], "answer": 22}])
+    write_jsonl(tmp_path / "cd_key.jsonl", [{"prompt": "Make 22.", "numbers": [3, 5, 7], "target": "twenty-two"}])
+    write_jsonl(tmp_path / "gsm.jsonl", GSM)
+    for path, flags, line in [
+            ("mbpp.jsonl", {"rewards": "code"}, "mbpp.jsonl:1: no 'tests' column, which reward 'code' reads; this "
+                                                "record has 'prompt', 'answer', 'test_list'"),
+            ("cd.jsonl", {"rewards": "countdown,format:0.5"},
+             """cd.jsonl:2: reward 'countdown' needs the 'numbers' column to be a list of integers of 0 or more, """
+             """not ["3", "5", "7"]"""),
+            ("cd_key.jsonl", {"rewards": "countdown", "answer_key": "target"},
+             """cd_key.jsonl:1: reward 'countdown' needs the 'target' column to be a number or a string of one, """
+             """not "twenty-two\""""),
+            ("gsm.jsonl", {"rewards": "countdown", "task": "gsm8k"},
+             "--task gsm8k: no 'numbers' column, which reward 'countdown' reads; this record has 'prompt', "
+             "'answer'")]:
+        with pytest.raises(SystemExit) as stop:
+            load_prompts(tmp_path / path, eval_size=1, **flags)
+        err = capsys.readouterr().err
+        assert stop.value.code == 1 and err.count("\n") == 1, err
+        assert err == f"grpo_train.py: {'' if line.startswith('--') else f'{tmp_path}/'}{line}\n", err
+    # the rows the rewards can score load as before
+    write_jsonl(tmp_path / "mbpp.jsonl", [{**mbpp, "prompt": p, "tests": mbpp["test_list"]} for p in "ab"])
+    assert len(load_prompts(tmp_path / "mbpp.jsonl", eval_size=1, rewards="code,format:0.5")[0]) == 1
+    train, _, _ = load_prompts(tmp_path / "cd.jsonl", eval_size=1, rewards="gsm8k")
+    assert len(train) == 1
+    assert load_prompts(None, task="code", data=None, eval_size=1, rewards="code")[1]
+
+
+def test_json_that_python_stops_at_and_a_file_that_cannot_be_read_are_one_line(tmp_path, monkeypatch, capsys):
+    """An integer of more than 4,300 digits (a ValueError of Python's, no JSONDecodeError), 100,000 `[` in a
+    line (a RecursionError), a file that cannot be read (PermissionError, EIO): each was a traceback."""
+    good = json.dumps({"prompt": "q", "answer": "a"})
+    (tmp_path / "big.jsonl").write_text(good + "\n" + '{"prompt": "q", "answer": ' + "9" * 5000 + "}\n")
+    (tmp_path / "deep.jsonl").write_text(good + "\n\n" + "[" * 100_000 + "\n")
+    os.symlink("/proc/self/mem", tmp_path / "mem.jsonl")
+    (tmp_path / "locked.jsonl").write_text(good + "\n")
+    for name, line in [("big.jsonl", "big.jsonl:2: not a JSON line that can be read (Exceeds the limit (4300 "
+                                     "digits) for integer string conversion)"),
+                       ("deep.jsonl", "deep.jsonl:3: not a JSON line that can be read (nested too deep)"),
+                       ("mem.jsonl", "mem.jsonl: cannot be read (Input/output error)")]:
+        with pytest.raises(SystemExit) as stop:
+            load_prompts(tmp_path / name)
+        err = capsys.readouterr().err
+        assert stop.value.code == 1 and err == f"grpo_train.py: {tmp_path}/{line}\n", err
+
+    # root reads any file: the refusal an unreadable file gets elsewhere
+    def refused(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(tasks, "open", refused, raising=False)
+    with pytest.raises(tasks.DataError, match=r"locked.jsonl: cannot be read \(Permission denied\)$"):
+        tasks.load_task("custom", "train", data=str(tmp_path / "locked.jsonl"), tokenizer=TOK)
+
+
+def test_hub_names_offline_a_nested_path_and_a_dataset_of_several_configs_are_one_line(tmp_path, monkeypatch):
+    """Offline, a mistyped nested path (data/sub/my_set) reached datasets as a hub name and ended in its
+    FileNotFoundError; a hub dataset of several configs (openai/gsm8k) in datasets' ValueError. Each is one
+    line; the configs are named, and --data name:config picks one."""
+    import datasets
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(tasks.DataError, match=r"^--data data/sub/my_set: no such file or folder, nor a dataset on "
+                                              r"the hub$"):
+        tasks.load_task("custom", "train", data="data/sub/my_set", tokenizer=TOK)
+    # a dataset of two configs, as the hub's openai/gsm8k has (main, socratic), read by datasets itself
+    (tmp_path / "gsm").mkdir()
+    (tmp_path / "gsm" / "README.md").write_text(
+        "---\nconfigs:\n" + "".join(f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}.jsonl\n"
+                                    for c in ("main", "socratic")) + "---\n")
+    for c in ("main", "socratic"):
+        write_jsonl(tmp_path / "gsm" / f"{c}.jsonl", [{"prompt": f"a {c} question", "answer": "1"}])
+    load_dataset = datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config=None: load_dataset(
+        str(tmp_path / "gsm"), config, cache_dir=str(tmp_path / "cache")) if name == "openai/gsm8k" else 1 / 0)
+    for data in ("openai/gsm8k", "openai/gsm8k:nope"):
+        with pytest.raises(tasks.DataError, match=rf"^--data {data}: the hub dataset's configs are main, socratic: "
+                                                  r"name one, as --data openai/gsm8k:main$"):
+            tasks.load_task("custom", "train", data=data, tokenizer=TOK)
+    (s,) = tasks.load_task("custom", "train", data="openai/gsm8k:socratic", tokenizer=TOK, chat_template="none")
+    assert s["prompt"] == "a socratic question"
+
+
+def test_a_json_file_holding_one_array_is_read_and_a_folder_finds_train_json(tmp_path):
+    """A .json file was read as JSON lines: json.dump's layout (one array, over many lines) stopped at
+    `arr.json:1: not a JSON line`, and a folder holding train.json had no train split. A .json file that
+    starts with `[` is one array of records; any other .json is JSON lines, as before."""
+    (tmp_path / "arr.json").write_text(json.dumps(MINE, indent=2))
+    train = tasks.load_task("custom", "train", data=str(tmp_path / "arr.json"), tokenizer=TOK, chat_template="none")
+    assert [(s["prompt"], s["answer"]) for s in train] == [(r["prompt"], r["answer"]) for r in MINE]
+    write_jsonl(tmp_path / "lines.json", MINE)
+    assert len(tasks.load_task("custom", "train", data=str(tmp_path / "lines.json"), tokenizer=TOK)) == 2
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "train.json").write_text(json.dumps(GSM, indent=2))
+    (tmp_path / "folder" / "test.json").write_text(json.dumps(GSM[:1], indent=2))
+    assert [len(tasks.load_task("gsm8k", split, data=str(tmp_path / "folder"), tokenizer=TOK))
+            for split in ("train", "test")] == [2, 1]
+    # its mistakes name the row, or the line and column
+    (tmp_path / "arr.json").write_text(json.dumps([MINE[0], 5], indent=2))
+    with pytest.raises(tasks.DataError, match=r"arr.json row 2: a record must be a JSON object .*not 5$"):
+        tasks.load_task("custom", "train", data=str(tmp_path / "arr.json"), tokenizer=TOK)
+    (tmp_path / "arr.json").write_text('[\n  {"prompt": "q", "answer": "a"},\n  {"prompt": "q" "answer": "a"}\n]')
+    with pytest.raises(tasks.DataError, match=r"arr.json:3: not JSON \(Expecting ',' delimiter, column 18\)$"):
+        tasks.load_task("custom", "train", data=str(tmp_path / "arr.json"), tokenizer=TOK)
+    (tmp_path / "obj.json").write_text(json.dumps(MINE[0], indent=2))
+    with pytest.raises(tasks.DataError, match=r"obj.json:1: not a JSON line \(.*\); a .json file holds one JSON "
+                                              r"array of records, or one record a line$"):
+        tasks.load_task("custom", "train", data=str(tmp_path / "obj.json"), tokenizer=TOK)
+
+
+def test_a_path_from_the_home_folder_is_read(tmp_path, monkeypatch):
+    """--data '~/x.jsonl' (quoted, or in a --config file: no shell expands it) was "no such file or folder"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_jsonl(tmp_path / "x.jsonl", MINE)
+    write_jsonl(tmp_path / "gsm_train.jsonl", GSM)
+    assert len(tasks.load_task("custom", "train", data="~/x.jsonl", tokenizer=TOK)) == 2
+    assert len(tasks.load_task("gsm8k", "train", data="~/gsm_train.jsonl", tokenizer=TOK)) == 2
