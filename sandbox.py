@@ -244,6 +244,9 @@ def _system_binds(roots: list[str]) -> list[str]:
 def jail_argv(bwrap: str, seccomp_fd: int, setpriv: str | None = None, uid: int = JAIL_ID) -> list[str]:
     """bwrap's arguments up to the command: see the module's docstring. `setpriv`: the trainer is root, and
     this is util-linux's setpriv, which starts the jail's bwrap as host user `uid` (see root_stage)."""
+    if setpriv:
+        # the root stage holds each tool at its real path alone (/bin, a symlink on merged-/usr, is not in it)
+        bwrap, setpriv = os.path.realpath(bwrap), os.path.realpath(setpriv)
     python = os.path.realpath(sys.executable)
     # /usr (the C library and what else the interpreter links) and the Python installation, however installed
     # (a venv's interpreter resolves to its base; the standard library is under base_prefix)
@@ -263,20 +266,20 @@ def jail_argv(bwrap: str, seccomp_fd: int, setpriv: str | None = None, uid: int 
 
 
 def root_stage(bwrap: str, setpriv: str, roots: list[str], uid: int) -> list[str]:
-    """The command that starts the jail's bwrap as host user `uid` (host_uid) when the trainer is root.
-    bwrap started by root maps the jail's user to the host's root (capabilities, host-wide /proc/sys, no
-    RLIMIT_NPROC), so the jail's bwrap must be started by an unprivileged user; but the Python installation
-    may lie where that user cannot look (root's home). This first bwrap, root's own and running nothing of
-    the completion, makes a mount namespace with what the jail binds, on paths anyone can walk, then setpriv
-    drops to `uid`. It also makes a PID namespace, whose init (bwrap's, root's) dies with the trainer
-    (--die-with-parent) and takes the jail's bwrap and the jail with it: the kernel sends no parent-death
-    signal from root's bwrap, which has dropped its capabilities, to a process of `uid`."""
+    """The command that starts the jail's bwrap as host user `uid` (host_uid) when the trainer is root
+    (`bwrap` and `setpriv`: real paths, no symlink). bwrap started by root maps the jail's user to the host's
+    root (capabilities, host-wide /proc/sys, no RLIMIT_NPROC), so the jail's bwrap must be started by an
+    unprivileged user; but the Python installation may lie where that user cannot look (root's home). This
+    first bwrap, root's own and running nothing of the completion, makes a mount namespace with what the jail
+    binds, on paths anyone can walk, then setpriv drops to `uid`. It also makes a PID namespace, whose init
+    (bwrap's, root's) dies with the trainer (--die-with-parent) and takes the jail's bwrap and the jail with
+    it: the kernel sends no parent-death signal from root's bwrap, which has dropped its capabilities, to a
+    process of `uid`."""
     walkable = []   # every folder above a root, created world-searchable in the stage's empty root
     for r in roots:
         parts = r.strip(os.sep).split(os.sep)[:-1]
         walkable += [os.sep + os.sep.join(parts[:i + 1]) for i in range(len(parts))]
-    tools = [t for t in map(os.path.realpath, (bwrap, setpriv))
-             if not any(t.startswith(r + os.sep) for r in roots)]
+    tools = [t for t in (bwrap, setpriv) if not any(t.startswith(r + os.sep) for r in roots)]
     argv = [bwrap, "--die-with-parent", "--unshare-pid"]
     for d in dict.fromkeys(walkable):
         argv += ["--perms", "0755", "--dir", d]

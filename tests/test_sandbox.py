@@ -560,6 +560,16 @@ def test_without_bwrap_the_code_reward_refuses_to_start(monkeypatch, tmp_path, c
     assert rewards.code_reward(answer(CORRECT_ADD), ADD) == 1.0
 
 
+def test_tools_found_through_a_symlink_start_the_jail(monkeypatch, tmp_path):
+    """As root no jail started where `bwrap` or `setpriv` was found through a symlink (PATH=/bin:/usr/bin,
+    /bin a symlink to usr/bin): the root stage bound each tool at its real path and ran it by the path
+    found, which is not in it. Both run from their real paths now."""
+    for tool in ("bwrap", "setpriv"):
+        os.symlink(shutil.which(tool), tmp_path / tool)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert sandbox.run_tests("X = 6 * 7", ["assert X == 42"]) == 1
+
+
 # ------------------------------------------------------------- never root, its own clock, types
 
 NOBODY = 65534   # the jail's user and group (sandbox.JAIL_ID)
