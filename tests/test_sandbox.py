@@ -774,6 +774,20 @@ def test_the_expected_side_never_comes_from_the_jail():
     assert [sandbox.run_tests(code, EXPECTED_TESTS) for code in (REBINDS, FORGES, SOLVES)] == [0, 0, 4]
 
 
+# a completion that solves nothing and answers every isclose() itself
+ISCLOSE_ALWAYS = "def isclose(*args, **kwargs):\n    return True\ndef half(x):\n    return 0"
+ISCLOSE_TESTS = ["assert isclose(half(1), 0.5)", "assert isclose(half(3), 1.5, rel_tol=1e-9)"]
+
+
+def test_isclose_alone_is_maths_not_the_completions():
+    """`isclose` alone (after `from math import isclose`) was a name of the completion's: the jail was sent
+    `isclose(half(1), 0.5)`, expected value and all, and a completion defining isclose() to return True
+    passed every test. Now it is math.isclose, the trainer's: the jail is asked for half(1) alone."""
+    assert sandbox.split_test(ISCLOSE_TESTS[1])[1] == ["half(3)"]
+    right = "from math import isclose\ndef half(x):\n    return x / 2"
+    assert [sandbox.run_tests(code, ISCLOSE_TESTS) for code in (ISCLOSE_ALWAYS, right)] == [0, 2]
+
+
 LAZY_CODE = """
 def evens(n):
     return (i for i in range(0, n, 2))
