@@ -2,11 +2,11 @@
 parts of E that name the completion's own definitions (`f(x, k=[1])`, `X`, `obj.m()`) are all the jail
 (sandbox.py) computes, and it writes back their values as tagged JSON, read here within bounds
 (read_value); the rest of E, the expected side whole, is evaluated here (judge) with an allow-list: Python's
-pure builtins (BUILTINS), math's functions (MATH) and pure methods (METHODS) on values the trainer holds,
-each bounded where a value the completion chose could make its result huge. A test that needs anything
-else (a module's function, a comprehension, a lambda), names nothing of the completion's or is nested
-deeper than TEST_DEPTH is refused when the task loads (rewards.check_tests), in one line. It imports no
-project module."""
+pure builtins (BUILTINS), math's functions (MATH, and isclose alone) and pure methods (METHODS) on values the
+trainer holds, each bounded where a value the completion chose could make its result huge. A test that
+needs anything else (a module's function, a comprehension, a lambda), names nothing of the completion's or
+is nested deeper than TEST_DEPTH is refused when the task loads (rewards.check_tests), in one line. It
+imports no project module."""
 import ast
 import builtins
 import json
@@ -160,10 +160,12 @@ def bounded_lcm(*ints):
     return math.lcm(*ints)
 
 
+# and `isclose` alone (after `from math import isclose`) is math's: were it the completion's, the jail would
+# get the expected value with the call (`isclose(f(1), 0.5)`) and say True whatever f(1) is
 CALLS = {**{name: getattr(builtins, name) for name in BUILTINS},
          "set": lambda items=(): hashed(set, items), "frozenset": lambda items=(): hashed(frozenset, items),
          "dict": dict_of, "sum": numeric_sum, "range": bounded_range, "pow": bounded_pow,
-         "round": bounded_round, "type": lambda value: type(value)}
+         "round": bounded_round, "type": lambda value: type(value), "isclose": math.isclose}
 MATH_CALLS = {**{name: getattr(math, name) for name in MATH},
               "factorial": lambda n: small_int(n) or math.factorial(n),
               "comb": lambda n, k: small_int(n, k) or math.comb(n, k), "prod": bounded_prod,
@@ -203,7 +205,7 @@ def unbound(kind, name):
 def split_test(test: str) -> tuple[ast.expr, list[str]]:
     """'assert E' -> (E, the parts of E the jail computes), or ValueError saying why the trainer cannot
     judge it. A part is a maximal subexpression that names the completion's own definitions: a name that
-    is no builtin of BUILTINS (`X`, `f(x, k=[1])`, the `f(1)` of `f(1)[0]`), an attribute or method of
+    is none of CALLS (`X`, `f(x, k=[1])`, the `f(1)` of `f(1)[0]`), an attribute or method of
     one (`obj.m()`, `Solution().f(g(2))`), or a builtin given one as its function (`map(f, xs)`,
     `isinstance(x, Point)`). Everything else is the trainer's (judge). Each part is marked on its node
     (`node.jail`, its index). Refused: a test that is no assert, names nothing of the completion's, or
@@ -290,8 +292,8 @@ def split_test(test: str) -> tuple[ast.expr, list[str]]:
 
     mark(body[0].test)
     if not parts:
-        refuse("it names nothing of the completion's (a function named like a builtin is the builtin: "
-               "name it otherwise)")
+        refuse("it names nothing of the completion's (a function named like a builtin, or isclose, is "
+               "Python's: name it otherwise)")
     return body[0].test, parts
 
 
@@ -350,7 +352,7 @@ def judge(node: ast.expr, values: dict):
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.Name):   # a builtin as a value (isinstance's class, type(x) == list)
-        return getattr(builtins, node.id)
+        return getattr(builtins, node.id, CALLS.get(node.id))
     if isinstance(node, ast.Attribute):
         return trusted_attribute(node)
     if isinstance(node, ast.BoolOp):   # and/or stop at their first deciding value, as Python's

@@ -4,25 +4,24 @@ one project module is judge.py, the trainer's side of each test.
 
 The jail is bubblewrap (`bwrap`, Debian's `bubblewrap`, the sandbox Flatpak uses), one per completion: new
 user, PID, network, IPC, UTS and mount namespaces; a root file system holding only /usr and the Python
-installation, read-only; a tmpfs of 16 MiB and 4,096 files as the working folder (/tmp, mounted by the
-trusted prologue: bwrap's --tmpfs bounds no files); its own /proc (its own processes
-only, read-only: /proc/sys is the host's kernel settings) and a minimal, read-only /dev; an empty
-environment; no new user namespaces; the completion's interpreter as the jail's pid 1 (no init of bwrap's
-beside it); and a seccomp filter that refuses every new process (fork, vfork, clone without CLONE_THREAD;
-clone3 answers ENOSYS so that threads fall back to clone), acting on another process (ptrace,
-process_vm_*), the kernel keyring and a few calls only exploits use. The completion runs as "nobody"
-(JAIL_ID) inside the jail, with no
-capability; when the trainer is root, as a host uid of its own (host_uid: one per running jail, which no
-account has): a first bwrap of root's own (root_stage) starts the jail's bwrap through setpriv as that
-user, since bwrap started by root keeps the jail root on the host. Where user namespaces are refused
-(Docker's default seccomp profile, Ubuntu 24.04's AppArmor), the jail cannot start and check_jail says in
-one line what to run instead (USERNS_BLOCKED).
-The project, the trainer's environment and files, other processes and the network are not in the jail.
-A trusted prologue sets resource limits (CPU seconds, address space, file size, open files, tasks, no core
-dumps) before the completion runs; the wall clock is watched from outside, and at `timeout_s` (checked before
-every read) or 1 MiB of output the jail is killed whole (its PID namespace dies with it, and with the trainer:
---die-with-parent; when the trainer is root, the root stage's PID namespace, around the jail's, dies with it
-too). What a jail may hold outside its address space is counted in jail_mb.
+installation, read-only; a tmpfs of 16 MiB and 4,096 files as the working folder (/tmp, mounted by the trusted
+prologue: bwrap's --tmpfs bounds no files); its own /proc (its own processes only, read-only: /proc/sys is the
+host's kernel settings) and a minimal, read-only /dev; an empty environment; no new user namespaces; the
+completion's interpreter as the jail's pid 1 (no init of bwrap's beside it); and a seccomp filter that refuses
+every new process (fork, vfork, clone without CLONE_THREAD; clone3 answers ENOSYS so that threads fall back to
+clone), acting on another process (ptrace, process_vm_*), prctl(PR_SET_PDEATHSIG), the kernel keyring and a
+few calls only exploits use. The completion runs as "nobody" (JAIL_ID) inside the jail, with no capability;
+when the trainer is root, as a host uid of its own (host_uid: one per running jail, which no account has): a
+first bwrap of root's own (root_stage) starts the jail's bwrap through setpriv as that user, since bwrap
+started by root keeps the jail root on the host. Where user namespaces are refused (Docker's default seccomp
+profile, Ubuntu 24.04's AppArmor), the jail cannot start and check_jail says in one line what to run instead
+(USERNS_BLOCKED). The project, the trainer's environment and files, other processes and the network are not in
+the jail. A trusted prologue sets resource limits (CPU seconds, address space, file size, open files, tasks,
+no core dumps) before the completion runs; the wall clock is watched from outside, and at `timeout_s` (checked
+before every read) or 1 MiB of output the jail is killed whole, and waited for: SIGKILL to the init of its
+outermost PID namespace (end_jail). It dies with the trainer too (--die-with-parent; when the trainer is root,
+the root stage's PID namespace, around the jail's, dies with it). What a jail may hold outside its address
+space is counted in jail_mb.
 
 The child only computes, the parent judges (judge.py). Each test `assert E` is parsed in the parent
 (split_test): the jail is sent only the parts of E that name the completion's own definitions (`f(x,
@@ -164,19 +163,20 @@ def _main(nonce, code, exprs, limits, tmp, most):
 _main(*json.loads(sys.stdin.read()))
 """
 
-# seccomp, by machine: (AUDIT_ARCH_*, clone, clone3, [refused]), numbers from the kernel's syscall tables;
+# seccomp, by machine: (AUDIT_ARCH_*, clone, clone3, [refused], prctl), numbers from the kernel's tables;
 # refused: fork, vfork (x86_64 only); SysV shmget, msgget, semget, whose memory outlives a detach and is not
 # bound by RLIMIT_AS (it lives until the jail's IPC namespace goes); add_key, request_key, keyctl: the kernel
 # keyring is not namespaced, so a key one completion adds could be read by the next; and what no computation
 # needs but kernel exploits use (Docker's default profile refuses them too): bpf, perf_event_open,
 # userfaultfd, io_uring_setup, io_uring_enter, io_uring_register; and what acts on another process of the
-# jail: ptrace, process_vm_readv, process_vm_writev, pidfd_getfd, process_madvise
+# jail: ptrace, process_vm_readv, process_vm_writev, pidfd_getfd, process_madvise. And prctl's
+# PR_SET_PDEATHSIG: the completion, the jail's pid 1, dies by that signal when bwrap does (with the trainer)
 SECCOMP_ARCH = {"x86_64": (0xC000003E, 56, 435,
                            [57, 58, 29, 68, 64, 248, 249, 250, 321, 298, 323, 425, 426, 427,
-                            101, 310, 311, 438, 440]),
+                            101, 310, 311, 438, 440], 157),
                 "aarch64": (0xC00000B7, 220, 435,
                             [194, 186, 190, 217, 218, 219, 280, 241, 282, 425, 426, 427,
-                             117, 270, 271, 438, 440])}
+                             117, 270, 271, 438, 440], 167)}
 # the completion's user and group inside the jail ("nobody"): never root in any namespace
 JAIL_ID = 65534
 # when the trainer is root, the jail's user and group on the host: one uid per running jail, never a host
@@ -210,19 +210,20 @@ def host_uid():
 def seccomp_filter(machine: str) -> bytes:
     """A classic-BPF seccomp program (what bwrap --seccomp reads) that refuses to create processes: fork and
     vfork get EPERM, clone too unless it makes a thread (CLONE_THREAD), clone3 ENOSYS (its flags are behind a
-    pointer BPF cannot follow; glibc then falls back to clone); the other refused calls get EPERM. Another ABI
-    (i386, x32) kills the process."""
+    pointer BPF cannot follow; glibc then falls back to clone); the other refused calls get EPERM, and so does
+    prctl(PR_SET_PDEATHSIG). Another ABI (i386, x32) kills the process."""
     if machine not in SECCOMP_ARCH:
         raise RuntimeError(f"no seccomp filter for {machine} (only {', '.join(SECCOMP_ARCH)}); "
                            f"set {UNJAILED}=1 to run completions unjailed, knowingly")
-    arch, clone, clone3, refused = SECCOMP_ARCH[machine]
+    arch, clone, clone3, refused, prctl = SECCOMP_ARCH[machine]
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06   # BPF_LD|W|ABS, BPF_JMP|JEQ|JGE|JSET|K, BPF_RET|K
     allow, eperm, enosys = 0x7FFF0000, 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
     n = len(refused)
     # (code, jump if true, jump if false, k); a jump skips that many instructions
     prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, 0x80000000),   # the arch, or kill the process
-            (ld, 0, 0, 0), (jge, 6 + n, 0, 0x40000000), (jeq, 5 + n, 0, clone3),   # nr; x32, clone3: ENOSYS
-            *[(jeq, 2 + n - k, 0, nr) for k, nr in enumerate(refused)],            # refused: EPERM
+            (ld, 0, 0, 0), (jge, 9 + n, 0, 0x40000000), (jeq, 8 + n, 0, clone3),   # nr; x32, clone3: ENOSYS
+            *[(jeq, 5 + n - k, 0, nr) for k, nr in enumerate(refused)],            # refused: EPERM
+            (jeq, 0, 2, prctl), (ld, 0, 0, 16), (jeq, 3, 4, 1),                    # PR_SET_PDEATHSIG: EPERM
             (jeq, 0, 3, clone), (ld, 0, 0, 16), (jset, 1, 0, 0x10000),             # clone: CLONE_THREAD?
             (ret, 0, 0, eperm), (ret, 0, 0, allow), (ret, 0, 0, enosys)]
     return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
@@ -241,9 +242,14 @@ def _system_binds(roots: list[str]) -> list[str]:
     return argv
 
 
-def jail_argv(bwrap: str, seccomp_fd: int, setpriv: str | None = None, uid: int = JAIL_ID) -> list[str]:
+def jail_argv(bwrap: str, seccomp_fd: int, info_fd: int, setpriv: str | None = None,
+              uid: int = JAIL_ID) -> list[str]:
     """bwrap's arguments up to the command: see the module's docstring. `setpriv`: the trainer is root, and
-    this is util-linux's setpriv, which starts the jail's bwrap as host user `uid` (see root_stage)."""
+    this is util-linux's setpriv, which starts the jail's bwrap as host user `uid` (see root_stage). The
+    first bwrap writes the pid of its first process, a PID namespace's init, to `info_fd` (jail_init)."""
+    if setpriv:
+        # the root stage holds each tool at its real path alone (/bin, a symlink on merged-/usr, is not in it)
+        bwrap, setpriv = os.path.realpath(bwrap), os.path.realpath(setpriv)
     python = os.path.realpath(sys.executable)
     # /usr (the C library and what else the interpreter links) and the Python installation, however installed
     # (a venv's interpreter resolves to its base; the standard library is under base_prefix)
@@ -259,24 +265,25 @@ def jail_argv(bwrap: str, seccomp_fd: int, setpriv: str | None = None, uid: int 
             "--seccomp", str(seccomp_fd), *_system_binds(roots),
             "--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev", "--size", str(TMP_MB << 20),
             "--tmpfs", "/tmp", "--chdir", "/tmp", "--remount-ro", "/", "--remount-ro", "/dev"]
-    return root_stage(bwrap, setpriv, roots, uid) + argv if setpriv else argv
+    argv = root_stage(bwrap, setpriv, roots, uid) + argv if setpriv else argv
+    return [argv[0], "--info-fd", str(info_fd), *argv[1:]]
 
 
 def root_stage(bwrap: str, setpriv: str, roots: list[str], uid: int) -> list[str]:
-    """The command that starts the jail's bwrap as host user `uid` (host_uid) when the trainer is root.
-    bwrap started by root maps the jail's user to the host's root (capabilities, host-wide /proc/sys, no
-    RLIMIT_NPROC), so the jail's bwrap must be started by an unprivileged user; but the Python installation
-    may lie where that user cannot look (root's home). This first bwrap, root's own and running nothing of
-    the completion, makes a mount namespace with what the jail binds, on paths anyone can walk, then setpriv
-    drops to `uid`. It also makes a PID namespace, whose init (bwrap's, root's) dies with the trainer
-    (--die-with-parent) and takes the jail's bwrap and the jail with it: the kernel sends no parent-death
-    signal from root's bwrap, which has dropped its capabilities, to a process of `uid`."""
+    """The command that starts the jail's bwrap as host user `uid` (host_uid) when the trainer is root
+    (`bwrap` and `setpriv`: real paths, no symlink). bwrap started by root maps the jail's user to the host's
+    root (capabilities, host-wide /proc/sys, no RLIMIT_NPROC), so the jail's bwrap must be started by an
+    unprivileged user; but the Python installation may lie where that user cannot look (root's home). This
+    first bwrap, root's own and running nothing of the completion, makes a mount namespace with what the jail
+    binds, on paths anyone can walk, then setpriv drops to `uid`. It also makes a PID namespace, whose init
+    (bwrap's, root's) dies with the trainer (--die-with-parent) and takes the jail's bwrap and the jail with
+    it: the kernel sends no parent-death signal from root's bwrap, which has dropped its capabilities, to a
+    process of `uid`."""
     walkable = []   # every folder above a root, created world-searchable in the stage's empty root
     for r in roots:
         parts = r.strip(os.sep).split(os.sep)[:-1]
         walkable += [os.sep + os.sep.join(parts[:i + 1]) for i in range(len(parts))]
-    tools = [t for t in map(os.path.realpath, (bwrap, setpriv))
-             if not any(t.startswith(r + os.sep) for r in roots)]
+    tools = [t for t in (bwrap, setpriv) if not any(t.startswith(r + os.sep) for r in roots)]
     argv = [bwrap, "--die-with-parent", "--unshare-pid"]
     for d in dict.fromkeys(walkable):
         argv += ["--perms", "0755", "--dir", d]
@@ -299,6 +306,42 @@ def check_jail() -> None:
         return
     if run_tests("X = 6 * 7", ["assert X == 42"]) != 1:
         raise RuntimeError("the bubblewrap jail started but did not run a trivial program correctly")
+
+
+def jail_init(info: int, bwrap_pid: int) -> int | None:
+    """A pidfd of the init of the jail's outermost PID namespace (the root stage's as root), whose pid bwrap
+    wrote to `info` (--info-fd; read once, never waited on); None if there is none or it has ended. Its
+    parent is bwrap, our child not yet waited for: a child of bwrap's, still running once that was read, is
+    the jail's, not a process that took its pid since."""
+    with contextlib.suppress(ValueError, KeyError, TypeError, OSError):
+        pid = json.loads(os.read(info, 1 << 16))["child-pid"]
+        init = os.pidfd_open(pid)
+        with open(f"/proc/{pid}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        if parent == bwrap_pid and not ended(init, 0):
+            return init
+        os.close(init)
+    return None
+
+
+def end_jail(init: int | None) -> None:
+    """SIGKILL to the jail's init (jail_init); back once it has ended, or after 10 s. The kernel ends every
+    process of its PID namespace, and of those within, before it: bwrap's death alone would end them only
+    through the parent-death signal, after run_tests had returned."""
+    if init is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        signal.pidfd_send_signal(init, signal.SIGKILL)
+    # bounded: a process stuck in the kernel may take long to end
+    ended(init, 10)
+    os.close(init)
+
+
+def ended(pidfd: int, wait_s: float) -> bool:
+    """Whether the process has ended, waiting up to `wait_s`: an init ends after its namespace's others."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(wait_s * 1000))
 
 
 def read_output(fd: int, deadline: float) -> bytes:
@@ -333,7 +376,7 @@ def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int
               "NPROC": nproc}
     payload = json.dumps([nonce, code, exprs, limits, tmp, MAX_NODES]).encode()
     command = [os.path.realpath(sys.executable), "-I", "-S", "-c", PROLOGUE]
-    unjailed, fds, root = os.environ.get(UNJAILED) == "1", [], os.geteuid() == 0
+    unjailed, fds, root, info = os.environ.get(UNJAILED) == "1", [], os.geteuid() == 0, None
     workdir = tempfile.TemporaryDirectory(prefix="grpo_sandbox_") if unjailed else contextlib.nullcontext("/")
     uid = host_uid() if root and not unjailed else contextlib.nullcontext(JAIL_ID)
     with workdir as cwd, uid as uid:
@@ -347,9 +390,17 @@ def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int
                 fds = list(os.pipe())   # the seccomp program, read by bwrap from the pipe's end
                 os.write(fds[1], seccomp_filter(platform.machine()))
                 os.close(fds.pop())
-                command = jail_argv(bwrap, fds[0], setpriv if root else None, uid) + ["--", *command]
+                # where the first bwrap writes its child's pid (jail_init)
+                info, info_w = os.pipe()
+                os.set_blocking(info, False)
+                fds.append(info_w)
+                command = jail_argv(bwrap, fds[0], info_w, setpriv if root else None, uid) + ["--", *command]
             proc = subprocess.Popen(command, cwd=cwd, env={}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, start_new_session=True, pass_fds=fds)
+        except BaseException:
+            if info is not None:
+                os.close(info)
+            raise
         finally:
             for fd in fds:
                 os.close(fd)
@@ -360,7 +411,12 @@ def run_tests(code: str, tests: list[str], *, timeout_s: float = 5.0, cpu_s: int
                 proc.stdin.write(payload)
             out = read_output(proc.stdout.fileno(), deadline)
         finally:
-            try:   # bwrap (the jail's PID namespace dies with it); before wait(), so the pid is still ours
+            if info is not None:
+                # bwrap's child does not inherit the pipe: what is in it is bwrap's
+                end_jail(jail_init(info, proc.pid))
+                os.close(info)
+            # bwrap too; before wait(), so the pid is still ours
+            try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass

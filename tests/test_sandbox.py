@@ -560,6 +560,16 @@ def test_without_bwrap_the_code_reward_refuses_to_start(monkeypatch, tmp_path, c
     assert rewards.code_reward(answer(CORRECT_ADD), ADD) == 1.0
 
 
+def test_tools_found_through_a_symlink_start_the_jail(monkeypatch, tmp_path):
+    """As root no jail started where `bwrap` or `setpriv` was found through a symlink (PATH=/bin:/usr/bin,
+    /bin a symlink to usr/bin): the root stage bound each tool at its real path and ran it by the path
+    found, which is not in it. Both run from their real paths now."""
+    for tool in ("bwrap", "setpriv"):
+        os.symlink(shutil.which(tool), tmp_path / tool)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert sandbox.run_tests("X = 6 * 7", ["assert X == 42"]) == 1
+
+
 # ------------------------------------------------------------- never root, its own clock, types
 
 NOBODY = 65534   # the jail's user and group (sandbox.JAIL_ID)
@@ -764,6 +774,20 @@ def test_the_expected_side_never_comes_from_the_jail():
     assert [sandbox.run_tests(code, EXPECTED_TESTS) for code in (REBINDS, FORGES, SOLVES)] == [0, 0, 4]
 
 
+# a completion that solves nothing and answers every isclose() itself
+ISCLOSE_ALWAYS = "def isclose(*args, **kwargs):\n    return True\ndef half(x):\n    return 0"
+ISCLOSE_TESTS = ["assert isclose(half(1), 0.5)", "assert isclose(half(3), 1.5, rel_tol=1e-9)"]
+
+
+def test_isclose_alone_is_maths_not_the_completions():
+    """`isclose` alone (after `from math import isclose`) was a name of the completion's: the jail was sent
+    `isclose(half(1), 0.5)`, expected value and all, and a completion defining isclose() to return True
+    passed every test. Now it is math.isclose, the trainer's: the jail is asked for half(1) alone."""
+    assert sandbox.split_test(ISCLOSE_TESTS[1])[1] == ["half(3)"]
+    right = "from math import isclose\ndef half(x):\n    return x / 2"
+    assert [sandbox.run_tests(code, ISCLOSE_TESTS) for code in (ISCLOSE_ALWAYS, right)] == [0, 2]
+
+
 LAZY_CODE = """
 def evens(n):
     return (i for i in range(0, n, 2))
@@ -915,29 +939,131 @@ except RuntimeError as e:
 """
 
 
+@contextlib.contextmanager
+def unprivileged_folder(files):
+    """A folder of sandbox.py, judge.py and `files` ({name: text}) that an unprivileged user can read, for the
+    system's Python (the project's may lie in root's home): sandbox.py imports no project module but
+    judge.py."""
+    folder = tempfile.mkdtemp(prefix="grpo_user_", dir="/tmp")
+    try:
+        for name in ("sandbox.py", "judge.py"):
+            shutil.copy(os.path.join(ROOT, name), folder)
+        for name, text in files.items():
+            open(os.path.join(folder, name), "w").write(text)
+        os.chmod(folder, 0o755)
+        for name in os.listdir(folder):
+            os.chmod(os.path.join(folder, name), 0o644)
+        yield folder
+    finally:
+        shutil.rmtree(folder)
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64" or not os.path.exists("/usr/bin/python3"),
                     reason="the filter is x86_64's; the unprivileged user runs the system's Python")
 def test_where_user_namespaces_are_refused_the_run_says_what_to_run():
     """Docker's default seccomp profile (simulated: a filter refusing CLONE_NEWUSER on the trainer) stops
     bwrap. As root and as an unprivileged user, the check at start is then one line saying what to run;
-    without the filter, the same user gets its jail. sandbox.py imports no project module but judge.py,
-    so the unprivileged user runs the two from a folder of their own with the system's Python."""
-    folder = tempfile.mkdtemp(prefix="grpo_userns_", dir="/tmp")
-    try:
-        for name in ("sandbox.py", "judge.py"):
-            shutil.copy(os.path.join(ROOT, name), folder)
-        open(os.path.join(folder, "block.py"), "w").write(BLOCK_USERNS)
-        os.chmod(folder, 0o755)
-        for name in os.listdir(folder):
-            os.chmod(os.path.join(folder, name), 0o644)
+    without the filter, the same user gets its jail."""
+    with unprivileged_folder({"block.py": BLOCK_USERNS}) as folder:
         user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
         python, blocked = "/usr/bin/python3", ["/usr/bin/python3", "block.py"]
         said = {who: subprocess.run([*prefix, python, "-c", CHECK_JAIL], cwd=folder, capture_output=True,
                                     text=True, timeout=120).stdout
                 for who, prefix in (("root", blocked), ("user", user + blocked), ("user, no filter", user))}
-    finally:
-        shutil.rmtree(folder)
     assert said["user, no filter"] == "jailed\n"
     for who in ("root", "user"):
         assert said[who] == sandbox.USERNS_BLOCKED + "\n", (who, said[who])
     assert "seccomp=unconfined" in said["root"] and "apparmor_restrict_unprivileged_userns=0" in said["root"]
+
+
+# a completion that would outlive its jail: it turns its parent-death signal off (PR_SET_PDEATHSIG 0), ignores
+# what a closed pipe or terminal sends, names itself (PR_SET_NAME: /proc/PID/comm) and sleeps
+OUTLIVES = """
+import ctypes, signal, time
+libc = ctypes.CDLL(None)
+libc.prctl(1, 0, 0, 0, 0)
+libc.prctl(15, b"NAME", 0, 0, 0)
+for s in (signal.SIGPIPE, signal.SIGHUP, signal.SIGTERM):
+    signal.signal(s, signal.SIG_IGN)
+X = 1
+time.sleep(600)
+"""
+# runs it, then lists the processes of that name still running as run_tests returns (no zombie)
+OUTLIVES_RUN = """
+import json, os, sys
+import sandbox
+sandbox.run_tests(sys.argv[1], ["assert X == 1"], timeout_s=3)
+left = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        continue
+    if stat.split(" (", 1)[1].startswith(sys.argv[2] + ")") and stat.rsplit(")", 1)[1].split()[0] != "Z":
+        left.append(int(pid))
+print(json.dumps(left))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/python3"),
+                    reason="the unprivileged user runs the system's Python")
+def test_every_process_of_a_jail_is_gone_when_run_tests_returns():
+    """A trainer not run by root killed the jail's bwrap at the deadline, and the completion died only by
+    its parent-death signal, which it can turn off: it then ran on, reparented, after run_tests returned and
+    after the trainer. Now its jail's PID namespace is killed through its first process, and run_tests
+    returns once it is gone: for an unprivileged trainer and for root."""
+    name = f"out{secrets.token_hex(4)}"
+    code = OUTLIVES.replace("NAME", name)
+    user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    try:
+        with unprivileged_folder({"outlives.py": OUTLIVES_RUN}) as folder:
+            for who, prefix, python in (("user", user, "/usr/bin/python3"), ("root", [], sys.executable)):
+                run = subprocess.run([*prefix, python, "outlives.py", code, name], cwd=folder, timeout=120,
+                                     capture_output=True, text=True)
+                assert run.stdout == "[]\n", (who, run.stdout, run.stderr[-2000:])
+    finally:
+        for p in psutil.process_iter(["name"]):
+            if p.info["name"] == name:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+
+
+# a trainer, not root, whose one completion would outlive it
+OUTLIVES_TRAINER = """
+import sys
+import sandbox
+sandbox.run_tests(sys.argv[1], ["assert X == 1"], timeout_s=600)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/python3"),
+                    reason="the unprivileged user runs the system's Python")
+def test_a_jail_dies_with_a_trainer_not_root():
+    """A completion that turned its parent-death signal off (prctl PR_SET_PDEATHSIG 0) ran on after its
+    trainer, not root, was killed outright: only that signal ended it when bwrap died. seccomp now refuses
+    the prctl (EPERM), and the completion dies with bwrap, which dies with the trainer."""
+    name = f"out{secrets.token_hex(4)}"
+    user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    trainer, jail = None, []
+    try:
+        with unprivileged_folder({"trainer.py": OUTLIVES_TRAINER}) as folder:
+            code = OUTLIVES.replace("NAME", name)
+            trainer = subprocess.Popen([*user, "/usr/bin/python3", "trainer.py", code], cwd=folder)
+            deadline = time.monotonic() + 60
+            while not jail:   # the completion, once it has named itself
+                assert trainer.poll() is None and time.monotonic() < deadline, "the jail did not start"
+                jail = [p for p in psutil.process_iter(["name"]) if p.info["name"] == name]
+                time.sleep(0.05)
+            trainer.kill()
+            trainer.wait()
+            deadline = time.monotonic() + 10
+            while any(map(running, jail)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not [p.pid for p in jail if running(p)], "the completion outlived the trainer"
+    finally:
+        if trainer is not None:
+            trainer.kill()
+            trainer.wait()
+        for process in jail:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
