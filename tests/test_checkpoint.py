@@ -441,6 +441,38 @@ def test_metrics_and_completions_are_cut_to_the_checkpoint_only_once_it_has_load
     assert steps_in(tmp_path / "eval_completions.jsonl", "eval/step") == [0, 5, 10]
 
 
+def test_a_resume_keeps_the_evaluations_of_its_steps_that_arrived_on_later_rows(tmp_path, capsys):
+    """An evaluation arrives a step or two after the step it scores (step 2's on step 4's line): a resume from
+    step 2 kept the rows up to step 2 and lost it, while eval_completions.jsonl kept its outputs; nor did the
+    resumed run evaluate step 2 again. It stays now, as a line of its own at step 2 (its eval/* keys and
+    time), and the closing line counts it; the evaluation of step 4 goes with the steps after 2. A resumed run
+    evaluates its checkpoint first only where --eval-every names that step and no line holds its evaluation
+    (the run was killed before it arrived)."""
+    from metrics import MetricsLog
+    evaluation = lambda step, accuracy: {"eval/accuracy": accuracy, "eval/format": 0.5, "eval/step": step}
+    jsonl(tmp_path / "metrics.jsonl", [{"step": 1, **ROW}, {"step": 2, **ROW, **evaluation(0, 0.25)},
+                                       {"step": 3, **ROW}, {"step": 4, **ROW, **evaluation(2, 0.5),
+                                                            "time/elapsed_s": 9.0},
+                                       {"step": 4, **evaluation(4, 0.75)}])
+    jsonl(tmp_path / "eval_completions.jsonl", [{"eval/step": s} for s in (0, 2, 4)])
+    argv = ("--steps", "3", "--log-completions", "1", "--eval-every", "2")
+    log = MetricsLog(2, **{**flags(*argv), "out_dir": str(tmp_path)})
+    log.write({"step": 3, **ROW})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("eval/step")) for r in rows] == [(1, None), (2, 0), (2, 2), (3, None)]
+    assert rows[2] == {"step": 2, **evaluation(2, 0.5), "time/elapsed_s": 9.0}
+    assert steps_in(tmp_path / "eval_completions.jsonl", "eval/step") == [0, 2]
+    assert log.evaluate_first is False
+    log.close(3)
+    assert "held-out accuracy 0.250 (step 0) -> 0.500 (step 2); steps 3-3" in capsys.readouterr().out
+    # a kill after step 2's checkpoint, before its evaluation arrived: the resumed run evaluates it first
+    jsonl(tmp_path / "metrics.jsonl", [{"step": 1, **ROW}, {"step": 2, **ROW, **evaluation(0, 0.25)}])
+    assert MetricsLog(2, **{**flags(*argv), "out_dir": str(tmp_path)}).evaluate_first is True
+    # a step --eval-every does not name; a new run, always
+    assert MetricsLog(2, **{**flags("--eval-every", "3"), "out_dir": str(tmp_path)}).evaluate_first is False
+    assert MetricsLog(0, **{**flags(), "out_dir": str(tmp_path)}).evaluate_first is True
+
+
 def test_a_symlinked_step_folder_is_removed_never_followed(tmp_path):
     """Pruning and --overwrite met a step_N (or step_N.tmp) that is a symlink: a traceback (rmtree refuses
     links). The link is removed now, and what it points to stays whole."""
