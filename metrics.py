@@ -318,7 +318,7 @@ class MetricsLog:
         # the old run whole; and before the new run's first checkpoint, which would sit beside the old's
         if self.flags.get("overwrite") and not self.flags.get("resume"):
             clear_run(self.out_dir)
-        # the old run's config.yaml too stays until here: --eval-only of its checkpoints reads it
+        # the old run's config.yaml too stays until here: --eval-only of its older checkpoints reads it
         self.save_config(self.resolved)
         # the step each file's rows belong to: a training step, or the step an evaluation scored
         for name, key in (("completions.jsonl", "step"), ("eval_completions.jsonl", "eval/step")):

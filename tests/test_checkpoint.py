@@ -307,6 +307,30 @@ def test_eval_only_of_a_checkpoint_whose_state_or_config_is_broken_is_one_line(t
     assert (args.eval_step, args.task) == (10, "gsm8k")
 
 
+def test_eval_only_of_a_checkpoint_takes_the_flags_that_checkpoint_was_trained_with(tmp_path, capsys):
+    """--eval-only --model runs/x/step_10 took its run's flags from runs/x/config.yaml, which each launch
+    rewrites: after a --resume-with-changes --data b.jsonl, step_10 (trained on a.jsonl) was evaluated on
+    b.jsonl's held-out set. The flags the step's grpo_state.json records win now, --eval-size among them (a
+    resume may change it); config.yaml only fills in what a checkpoint of an earlier version did not record."""
+    from checkpoints import read_state
+    from grpo_train import get_args
+    trained = ("--task", "custom", "--data", "a.jsonl", "--eval-size", "50", "--max-new-tokens", "32")
+    state = {**read_state(True, **{**flags(*trained), "out_dir": str(tmp_path)}), "step": 10}
+    (tmp_path / "step_10").mkdir()
+    state_file = tmp_path / "step_10" / "grpo_state.json"
+    state_file.write_text(json.dumps(state))
+    # the later launch's flags
+    (tmp_path / "config.yaml").write_text("task: custom\ndata: b.jsonl\neval_size: 30\nmax_new_tokens: 64\n")
+    args = get_args(["--model", str(tmp_path / "step_10"), "--eval-only"])
+    assert (args.eval_step, args.data, args.eval_size, args.max_new_tokens) == (10, "a.jsonl", 50, 32)
+    assert "--data a.jsonl --max-new-tokens 32 --eval-size 50 (flags given here win)" in capsys.readouterr().out
+    # a checkpoint that does not record --eval-size: that one from config.yaml, the rest its own
+    del state["config"]["eval_size"]
+    state_file.write_text(json.dumps(state))
+    args = get_args(["--model", str(tmp_path / "step_10"), "--eval-only"])
+    assert (args.data, args.eval_size, args.max_new_tokens) == ("a.jsonl", 30, 32)
+
+
 LACKING = r"""
 import os, shutil, sys
 base, out, port = sys.argv[1:]

@@ -303,7 +303,7 @@ def test_lora_with_gspo_learns_pushes_merged_weights_and_evaluates(tmp_path, dem
         policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(demo_model), step_10 / "adapter")
         torch.testing.assert_close(merged, policy(ids).logits, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(merged, AutoModelForCausalLM.from_pretrained(demo_model)(ids).logits, atol=1e-3)
-    # --eval-only of the folder takes its run's lengths (config.yaml), not its --lora-rank: the merged model
+    # --eval-only of the folder takes its run's lengths (grpo_state.json), not its --lora-rank: the merged model
     from grpo_train import get_args
     args = get_args(["--model", str(step_10), "--eval-only"])
     assert (args.eval_step, args.lora_rank, args.max_new_tokens, args.max_prompt_len) == (10, 0, 12, 16)
