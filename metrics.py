@@ -268,7 +268,7 @@ class MetricsLog:
     and the closing line. On resume the files keep the steps up to the checkpoint, and the evaluations of them
     (evaluate_first: whether the run evaluates its starting weights). The metrics file has one line per step,
     and one per evaluation that arrived with a later one or after the last line (a stopped run). --eval-only
-    writes eval.json instead, beside the checkpoint it evaluates (run_config.evaluate_as_trained)."""
+    writes eval.json and eval_outputs.jsonl, beside the checkpoint (run_config.evaluate_as_trained)."""
     # a drawing holds rank 0's loop 0.4 s (the first 0.9 s, importing matplotlib): drawn at every
     # evaluation of the demo (one in 10 steps of ~0.1 s) it was a fifth of the training time
     plot_every_s = 60.0
@@ -440,8 +440,8 @@ class MetricsLog:
             wandb_module.teardown()
 
     def write_eval(self, n, evals):
-        """--eval-only: the result, as one JSON line on stdout and in eval.json (with the held-out outputs
-        in eval_completions.jsonl) beside the checkpoint evaluated (or in --out-dir)."""
+        """--eval-only: the result, as one JSON line on stdout and in eval.json, and the held-out outputs in
+        eval_outputs.jsonl (no training run's file), beside the checkpoint evaluated (or in --out-dir)."""
         folder = self.flags.get("eval_dir") or self.out_dir
         outputs, _ = evals.pop("eval/rows", []), evals.pop("eval/step", None)
         result = {"model": self.model, "step": self.flags.get("eval_step"), "task": self.task,
@@ -449,5 +449,5 @@ class MetricsLog:
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "eval.json"), "w") as f:
             json.dump(result, f)
-        self.write_rows("eval_completions.jsonl", {}, outputs, folder, mode="w")
+        self.write_rows("eval_outputs.jsonl", {}, outputs, folder, mode="w")
         print(json.dumps(result), flush=True)

@@ -331,6 +331,27 @@ def test_eval_only_of_a_checkpoint_takes_the_flags_that_checkpoint_was_trained_w
     assert (args.data, args.eval_size, args.max_new_tokens) == ("a.jsonl", 30, 32)
 
 
+def test_eval_only_leaves_a_training_runs_files_alone(tmp_path, capsys):
+    """--eval-only --model <a hub model> without --out-dir writes into runs/grpo, the training's default
+    folder too (and --out-dir may name a run's folder): it replaced that run's eval_completions.jsonl with its
+    own outputs. It writes eval.json and eval_outputs.jsonl, names no training run writes, and every file of
+    the run stays as it was."""
+    from metrics import MetricsLog
+    a_run(tmp_path, "--lr", "3e-4")
+    jsonl(tmp_path / "eval_completions.jsonl", [{"eval/step": s, "completion": "the run's"} for s in (0, 10)])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    log = MetricsLog(0, **flags("--model", "m/hub", "--eval-only", "--out-dir", str(tmp_path)))
+    log.write_eval(20, {"eval/accuracy": 0.5, "eval/format": 0.0, "eval/step": 0,
+                        "eval/rows": [{"prompt": "1+1=", "completion": "2", "accuracy": 1.0}]})
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name not in before) == ["eval.json",
+                                                                                  "eval_outputs.jsonl", "step_10"]
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert (result["model"], result["eval/size"], result["eval/accuracy"]) == ("m/hub", 20, 0.5)
+    assert capsys.readouterr().out.splitlines()[-1] == json.dumps(result)
+    assert [json.loads(line)["completion"] for line in (tmp_path / "eval_outputs.jsonl").open()] == ["2"]
+
+
 LACKING = r"""
 import os, shutil, sys
 base, out, port = sys.argv[1:]

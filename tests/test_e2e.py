@@ -521,7 +521,7 @@ def test_the_documented_lines_as_written_two_at_once_eval_only_and_ctrl_c(tmp_pa
     # no training: no trainable parameters, no prompts to train on, no training ranks, no step logged
     assert not re.search(r"trainable parameters|to train on|training rank", p.stdout), p.stdout
     assert (run / "metrics.jsonl").read_text() == logged and not (run / "step_20" / "metrics.jsonl").exists()
-    outputs = [json.loads(line) for line in (run / "step_20" / "eval_completions.jsonl").read_text().splitlines()]
+    outputs = [json.loads(line) for line in (run / "step_20" / "eval_outputs.jsonl").read_text().splitlines()]
     held_out = [json.loads(line) for line in (run / "eval_completions.jsonl").read_text().splitlines()]
     assert sorted(r["prompt"] for r in outputs) == sorted(r["prompt"] for r in held_out if r["eval/step"] == 20)
 
