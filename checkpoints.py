@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from lora import vllm_weights
 from placement import leave_a_closed_terminal, stop_with
+from run_config import EVAL_FLAGS
 from run_folder import remove
 
 
@@ -115,7 +116,8 @@ def read_state(master, *, out_dir, resume, steps, overwrite=False, resume_with_c
     # --eval-only writes only its result (beside the checkpoint it evaluates): no run's folder to hold
     if master and not eval_only:
         hold_out_dir(out_dir)
-    config = {k: v for k, v in flags.items() if k not in FREE_ON_RESUME}
+    # what a resume compares, and every flag an --eval-only of its checkpoints takes (--eval-size too)
+    config = {k: v for k, v in flags.items() if k not in FREE_ON_RESUME or k in EVAL_FLAGS}
     state, latest = fresh_state(config), os.path.join(out_dir, "latest")
     found = None if eval_only or not os.path.isdir(out_dir) else holds_run(out_dir)
     if found and not (resume or overwrite):

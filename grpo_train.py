@@ -244,9 +244,9 @@ def main(args):
     engine = build_engine(model, args.ds_config, args.lr, args.micro_batch)
     load_checkpoint(engine, args.out_dir, state["step"])
     counters = Counters(state["counts"], args.max_skips)
-    # the generation process loads the starting weights (and evaluates them) first
+    # the generation process loads the starting weights (evaluated if due) first
     if master_process:
-        gen.push_weights(engine, completion_logps, evaluate=state["step"] == 0, step=state["step"])
+        gen.push_weights(engine, completion_logps, evaluate=log.evaluate_first, step=state["step"])
         if args.eval_only:
             log.write_eval(len(eval_set), gen.wait_eval())
     last = state["step"] if args.eval_only else args.steps

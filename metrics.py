@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from placement import leave_a_closed_terminal
-from run_folder import clear_run, keep_rows
+from run_folder import clear_run, evaluates_first, keep_rows
 
 
 def rollout_metrics(scored, advantages, rounds, n_kept, n_dropped, args):
@@ -263,12 +263,12 @@ def numbers(log):
 class MetricsLog:
     """What rank 0 writes as a run goes: metrics.jsonl (one JSON object per step, with time/elapsed_s), the
     resolved flags (config.yaml, which --config repeats), the progress line (Progress, with NoSignalWatch's
-    warning), the plot metrics.png (plot.py) at the end and at each evaluation a minute or more after the
-    last drawing, tensorboard and W&B if asked, completions.jsonl and eval_completions.jsonl
-    (--log-completions), and the closing line. On resume the metrics and completions files keep the steps up
-    to the checkpoint, so the metrics file stays one line per step, and one per evaluation that arrived with
-    a later one or after the last line (a stopped run). With --eval-only it writes eval.json instead, beside
-    the checkpoint it evaluates (run_config.evaluate_as_trained)."""
+    warning), the plot metrics.png (plot.py) at the end and at each evaluation a minute or more after the last
+    drawing, tensorboard and W&B if asked, completions.jsonl and eval_completions.jsonl (--log-completions),
+    and the closing line. On resume the files keep the steps up to the checkpoint, and the evaluations of them
+    (evaluate_first: whether the run evaluates its starting weights). The metrics file has one line per step,
+    and one per evaluation that arrived with a later one or after the last line (a stopped run). --eval-only
+    writes eval.json and eval_outputs.jsonl, beside the checkpoint (run_config.evaluate_as_trained)."""
     # a drawing holds rank 0's loop 0.4 s (the first 0.9 s, importing matplotlib): drawn at every
     # evaluation of the demo (one in 10 steps of ~0.1 s) it was a fifth of the training time
     plot_every_s = 60.0
@@ -284,6 +284,7 @@ class MetricsLog:
         self.no_signal = NoSignalWatch(template=lambda: describe_template(model, task, chat_template))
         # (eval/step, eval/accuracy) of the run, the resumed part's included: the summary's before -> after
         self.evals = []
+        self.evaluate_first = evaluates_first(out_dir, resume_step, flags.get("eval_every"))
         if eval_only:
             return
         os.makedirs(out_dir, exist_ok=True)
@@ -314,13 +315,13 @@ class MetricsLog:
         # the old run whole; and before the new run's first checkpoint, which would sit beside the old's
         if self.flags.get("overwrite") and not self.flags.get("resume"):
             clear_run(self.out_dir)
-        # the old run's config.yaml too stays until here: --eval-only of its checkpoints reads it
+        # the old run's config.yaml too stays until here: --eval-only of its older checkpoints reads it
         self.save_config(self.resolved)
         # the step each file's rows belong to: a training step, or the step an evaluation scored
         for name, key in (("completions.jsonl", "step"), ("eval_completions.jsonl", "eval/step")):
             keep_rows(os.path.join(self.out_dir, name), key, self.resume_step)
         path = os.path.join(self.out_dir, "metrics.jsonl")
-        kept = keep_rows(path, "step", self.resume_step)
+        kept = keep_rows(path, "step", self.resume_step, carry_evals=True)
         self.evals += [(row["eval/step"], row["eval/accuracy"]) for row in kept if "eval/step" in row]
         self.file = open(path, "a")
         # a resumed run's clock and tensorboard's charts go on from its checkpoint: tensorboard hides the
@@ -442,15 +443,14 @@ class MetricsLog:
             wandb_module.teardown()
 
     def write_eval(self, n, evals):
-        """--eval-only: the result, as one JSON line on stdout and in eval.json (with the held-out outputs
-        in eval_completions.jsonl) beside the checkpoint evaluated (or in --out-dir)."""
+        """--eval-only: the result, as one JSON line on stdout and in eval.json, and the held-out outputs in
+        eval_outputs.jsonl (no training run's file), beside the checkpoint evaluated (or in --out-dir)."""
         folder = self.flags.get("eval_dir") or self.out_dir
-        outputs = evals.pop("eval/rows", [])
-        evals.pop("eval/step", None)
+        outputs, _ = evals.pop("eval/rows", []), evals.pop("eval/step", None)
         result = {"model": self.model, "step": self.flags.get("eval_step"), "task": self.task,
                   "data": self.flags.get("data"), "eval/size": n, **evals}
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "eval.json"), "w") as f:
             json.dump(result, f)
-        self.write_rows("eval_completions.jsonl", {}, outputs, folder, mode="w")
+        self.write_rows("eval_outputs.jsonl", {}, outputs, folder, mode="w")
         print(json.dumps(result), flush=True)

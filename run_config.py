@@ -185,14 +185,16 @@ def checkpoint_state(folder):
     return state
 
 
-def run_config_of(folder):
-    """The resolved flags of the run a checkpoint folder belongs to: <out-dir>/config.yaml beside it (with
-    the flags a resume may change, --eval-size among them), else those grpo_state.json keeps; one line where
-    config.yaml cannot be read or is not a mapping."""
+def run_config_of(folder, state):
+    """The flags a checkpoint folder was trained with, as its grpo_state.json (`state`) records them: those
+    of the launch that saved it, even where a later --resume-with-changes changed them. A checkpoint of an
+    earlier version, which does not record --eval-size, takes what it lacks from <out-dir>/config.yaml beside
+    it (the latest launch's flags); one line where that cannot be read or is not a mapping."""
     import yaml
+    recorded = state["config"] if isinstance(state.get("config"), dict) else {}
     beside = os.path.join(os.path.dirname(os.path.abspath(folder)), "config.yaml")
-    if not os.path.isfile(beside):
-        return (checkpoint_state(folder) or {}).get("config") or {}
+    if all(k in recorded for k in EVAL_FLAGS) or not os.path.isfile(beside):
+        return recorded
     try:
         with open(beside) as f:
             config = yaml.safe_load(f) or {}
@@ -204,7 +206,7 @@ def run_config_of(folder):
     if problem:
         stop_with(f"--eval-only: {beside}{problem}; it holds the flags of {folder}'s run: mend it, or move it "
                   f"away to take those its grpo_state.json keeps")
-    return config
+    return {**config, **recorded}
 
 
 def evaluate_as_trained(args, given, parser):
@@ -215,7 +217,7 @@ def evaluate_as_trained(args, given, parser):
     args.eval_step, args.eval_dir = None, args.out_dir
     if state is None:
         return
-    config = run_config_of(args.model)
+    config = run_config_of(args.model, state)
     taken = {k: config[k] for k in EVAL_FLAGS if k in config and k not in given}
     vars(args).update(taken)
     args.eval_step = state.get("step")

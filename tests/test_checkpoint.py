@@ -307,12 +307,14 @@ def test_eval_only_of_a_checkpoint_whose_state_or_config_is_broken_is_one_line(t
     from grpo_train import get_args
     a_run(tmp_path, "--lr", "3e-4", "--task", "gsm8k")
     state_file, config = tmp_path / "step_10" / "grpo_state.json", tmp_path / "config.yaml"
-    good = state_file.read_text()
+    good = json.loads(state_file.read_text())
+    # a checkpoint of an earlier version, which did not record --eval-size: config.yaml beside it is read
+    older = json.dumps({**good, "config": {k: v for k, v in good["config"].items() if k != "eval_size"}})
     for state, yaml_text, said in [('{"step": 10, ', None, f"{state_file} cannot be read (Expecting"),
                                    ("[10]", None, f"{state_file} is not a JSON object: mend it, or move it away"),
-                                   (good, "task: [gsm8k\n", f"{config}: not YAML (line 2, column 1): expected"),
-                                   (good, "- gsm8k\n", f"{config}: not a mapping of flag: value; it holds the "
-                                                       f"flags of {tmp_path / 'step_10'}'s run")]:
+                                   (older, "task: [gsm8k\n", f"{config}: not YAML (line 2, column 1): expected"),
+                                   (older, "- gsm8k\n", f"{config}: not a mapping of flag: value; it holds the "
+                                                        f"flags of {tmp_path / 'step_10'}'s run")]:
         state_file.write_text(state)
         if yaml_text is not None:
             config.write_text(yaml_text)
@@ -323,6 +325,51 @@ def test_eval_only_of_a_checkpoint_whose_state_or_config_is_broken_is_one_line(t
     config.unlink()
     args = get_args(["--model", str(tmp_path / "step_10"), "--eval-only"])
     assert (args.eval_step, args.task) == (10, "gsm8k")
+
+
+def test_eval_only_of_a_checkpoint_takes_the_flags_that_checkpoint_was_trained_with(tmp_path, capsys):
+    """--eval-only --model runs/x/step_10 took its run's flags from runs/x/config.yaml, which each launch
+    rewrites: after a --resume-with-changes --data b.jsonl, step_10 (trained on a.jsonl) was evaluated on
+    b.jsonl's held-out set. The flags the step's grpo_state.json records win now, --eval-size among them (a
+    resume may change it); config.yaml only fills in what a checkpoint of an earlier version did not record."""
+    from checkpoints import read_state
+    from grpo_train import get_args
+    trained = ("--task", "custom", "--data", "a.jsonl", "--eval-size", "50", "--max-new-tokens", "32")
+    state = {**read_state(True, **{**flags(*trained), "out_dir": str(tmp_path)}), "step": 10}
+    (tmp_path / "step_10").mkdir()
+    state_file = tmp_path / "step_10" / "grpo_state.json"
+    state_file.write_text(json.dumps(state))
+    # the later launch's flags
+    (tmp_path / "config.yaml").write_text("task: custom\ndata: b.jsonl\neval_size: 30\nmax_new_tokens: 64\n")
+    args = get_args(["--model", str(tmp_path / "step_10"), "--eval-only"])
+    assert (args.eval_step, args.data, args.eval_size, args.max_new_tokens) == (10, "a.jsonl", 50, 32)
+    assert "--data a.jsonl --max-new-tokens 32 --eval-size 50 (flags given here win)" in capsys.readouterr().out
+    # a checkpoint that does not record --eval-size: that one from config.yaml, the rest its own
+    del state["config"]["eval_size"]
+    state_file.write_text(json.dumps(state))
+    args = get_args(["--model", str(tmp_path / "step_10"), "--eval-only"])
+    assert (args.data, args.eval_size, args.max_new_tokens) == ("a.jsonl", 30, 32)
+
+
+def test_eval_only_leaves_a_training_runs_files_alone(tmp_path, capsys):
+    """--eval-only --model <a hub model> without --out-dir writes into runs/grpo, the training's default
+    folder too (and --out-dir may name a run's folder): it replaced that run's eval_completions.jsonl with its
+    own outputs. It writes eval.json and eval_outputs.jsonl, names no training run writes, and every file of
+    the run stays as it was."""
+    from metrics import MetricsLog
+    a_run(tmp_path, "--lr", "3e-4")
+    jsonl(tmp_path / "eval_completions.jsonl", [{"eval/step": s, "completion": "the run's"} for s in (0, 10)])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    log = MetricsLog(0, **flags("--model", "m/hub", "--eval-only", "--out-dir", str(tmp_path)))
+    log.write_eval(20, {"eval/accuracy": 0.5, "eval/format": 0.0, "eval/step": 0,
+                        "eval/rows": [{"prompt": "1+1=", "completion": "2", "accuracy": 1.0}]})
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name not in before) == ["eval.json",
+                                                                                  "eval_outputs.jsonl", "step_10"]
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert (result["model"], result["eval/size"], result["eval/accuracy"]) == ("m/hub", 20, 0.5)
+    assert capsys.readouterr().out.splitlines()[-1] == json.dumps(result)
+    assert [json.loads(line)["completion"] for line in (tmp_path / "eval_outputs.jsonl").open()] == ["2"]
 
 
 LACKING = r"""
@@ -484,6 +531,38 @@ def test_a_resumed_runs_clock_and_tensorboard_charts_go_on_from_its_checkpoint(t
     loss = events.Scalars("loss")
     assert [e.step for e in loss] == list(range(1, 12))
     assert [e.value for e in loss] == pytest.approx([0.1] * 10 + [7.0])
+
+
+def test_a_resume_keeps_the_evaluations_of_its_steps_that_arrived_on_later_rows(tmp_path, capsys):
+    """An evaluation arrives a step or two after the step it scores (step 2's on step 4's line): a resume from
+    step 2 kept the rows up to step 2 and lost it, while eval_completions.jsonl kept its outputs; nor did the
+    resumed run evaluate step 2 again. It stays now, as a line of its own at step 2 (its eval/* keys and
+    time), and the closing line counts it; the evaluation of step 4 goes with the steps after 2. A resumed run
+    evaluates its checkpoint first only where --eval-every names that step and no line holds its evaluation
+    (the run was killed before it arrived)."""
+    from metrics import MetricsLog
+    evaluation = lambda step, accuracy: {"eval/accuracy": accuracy, "eval/format": 0.5, "eval/step": step}
+    jsonl(tmp_path / "metrics.jsonl", [{"step": 1, **ROW}, {"step": 2, **ROW, **evaluation(0, 0.25)},
+                                       {"step": 3, **ROW}, {"step": 4, **ROW, **evaluation(2, 0.5),
+                                                            "time/elapsed_s": 9.0},
+                                       {"step": 4, **evaluation(4, 0.75)}])
+    jsonl(tmp_path / "eval_completions.jsonl", [{"eval/step": s} for s in (0, 2, 4)])
+    argv = ("--steps", "3", "--log-completions", "1", "--eval-every", "2")
+    log = MetricsLog(2, **{**flags(*argv), "out_dir": str(tmp_path)})
+    log.write({"step": 3, **ROW})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("eval/step")) for r in rows] == [(1, None), (2, 0), (2, 2), (3, None)]
+    assert rows[2] == {"step": 2, **evaluation(2, 0.5), "time/elapsed_s": 9.0}
+    assert steps_in(tmp_path / "eval_completions.jsonl", "eval/step") == [0, 2]
+    assert log.evaluate_first is False
+    log.close(3)
+    assert "held-out accuracy 0.250 (step 0) -> 0.500 (step 2); steps 3-3" in capsys.readouterr().out
+    # a kill after step 2's checkpoint, before its evaluation arrived: the resumed run evaluates it first
+    jsonl(tmp_path / "metrics.jsonl", [{"step": 1, **ROW}, {"step": 2, **ROW, **evaluation(0, 0.25)}])
+    assert MetricsLog(2, **{**flags(*argv), "out_dir": str(tmp_path)}).evaluate_first is True
+    # a step --eval-every does not name; a new run, always
+    assert MetricsLog(2, **{**flags("--eval-every", "3"), "out_dir": str(tmp_path)}).evaluate_first is False
+    assert MetricsLog(0, **{**flags(), "out_dir": str(tmp_path)}).evaluate_first is True
 
 
 def test_a_symlinked_step_folder_is_removed_never_followed(tmp_path):

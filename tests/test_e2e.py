@@ -303,7 +303,7 @@ def test_lora_with_gspo_learns_pushes_merged_weights_and_evaluates(tmp_path, dem
         policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(demo_model), step_10 / "adapter")
         torch.testing.assert_close(merged, policy(ids).logits, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(merged, AutoModelForCausalLM.from_pretrained(demo_model)(ids).logits, atol=1e-3)
-    # --eval-only of the folder takes its run's lengths (config.yaml), not its --lora-rank: the merged model
+    # --eval-only of the folder takes its run's lengths (grpo_state.json), not its --lora-rank: the merged model
     from grpo_train import get_args
     args = get_args(["--model", str(step_10), "--eval-only"])
     assert (args.eval_step, args.lora_rank, args.max_new_tokens, args.max_prompt_len) == (10, 0, 12, 16)
@@ -395,6 +395,32 @@ def test_a_run_says_what_matters(tmp_path, demo_model):
 def step_2_accuracy(out):
     with open(out / "metrics.jsonl") as f:
         return [json.loads(line) for line in f][-1]["eval/accuracy"]
+
+
+def test_a_run_resumed_after_a_kill_evaluates_the_checkpoint_whose_evaluation_never_arrived(tmp_path, demo_model):
+    """A run killed after step 2's checkpoint (--eval-every 2), before step 2's evaluation arrived (it rides a
+    later step's line): its resumed run started without evaluating, so its metrics never held step 2's
+    evaluation. The resumed run evaluates the checkpoint first: metrics.jsonl holds the evaluations of steps 0,
+    2 and 3 once each, eval_completions.jsonl their outputs, and step 2's is the one the first run measured
+    (the same weights, greedy decoding). The kill is the first run's files cut to what it had written then."""
+    flags = ["--beta", "0", "--prompts-per-step", "8", "--group-size", "4", "--eval-size", "20", "--save-every",
+             "2", "--eval-every", "2", "--keep-checkpoints", "0", "--log-completions", "1"]
+    _, rows = with_demo_settings(tmp_path, demo_model, "--steps", "4", *flags)
+    (accuracy_2,) = [r["eval/accuracy"] for r in rows if r.get("eval/step") == 2]
+    metrics, outputs = tmp_path / "metrics.jsonl", tmp_path / "eval_completions.jsonl"
+    kept = [r for r in rows if r["step"] <= 2]
+    assert [r.get("eval/step") for r in kept if "eval/step" in r] == [0], rows
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    outputs.write_text("".join(line + "\n" for line in outputs.read_text().splitlines()
+                               if json.loads(line)["eval/step"] == 0))
+    (tmp_path / "latest").write_text("step_2")
+    p, rows = with_demo_settings(tmp_path, demo_model, "--steps", "3", "--resume", *flags)
+    assert "resuming after step 2" in p.stdout, p.stdout[-3000:]
+    assert [r["eval/step"] for r in rows if "eval/step" in r] == [0, 2, 3], rows
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    assert [r["eval/accuracy"] for r in rows if r.get("eval/step") == 2] == [accuracy_2]
+    held_out = [json.loads(line)["eval/step"] for line in outputs.read_text().splitlines()]
+    assert held_out == [0] * 20 + [2] * 20 + [3] * 20
 
 
 def test_without_the_launcher_one_line_says_how_to_launch(tmp_path):
@@ -495,7 +521,7 @@ def test_the_documented_lines_as_written_two_at_once_eval_only_and_ctrl_c(tmp_pa
     # no training: no trainable parameters, no prompts to train on, no training ranks, no step logged
     assert not re.search(r"trainable parameters|to train on|training rank", p.stdout), p.stdout
     assert (run / "metrics.jsonl").read_text() == logged and not (run / "step_20" / "metrics.jsonl").exists()
-    outputs = [json.loads(line) for line in (run / "step_20" / "eval_completions.jsonl").read_text().splitlines()]
+    outputs = [json.loads(line) for line in (run / "step_20" / "eval_outputs.jsonl").read_text().splitlines()]
     held_out = [json.loads(line) for line in (run / "eval_completions.jsonl").read_text().splitlines()]
     assert sorted(r["prompt"] for r in outputs) == sorted(r["prompt"] for r in held_out if r["eval/step"] == 20)
 
