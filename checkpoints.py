@@ -42,8 +42,18 @@ def hold_out_dir(out_dir):
     """Rank 0: an exclusive lock on --out-dir for the run's life (flock on the folder itself, so that a
     symlink to it is the same folder; the kernel drops it when the process ends, killed or not): a second
     run on the folder stops in one line before it touches anything, where it would write over this one's
-    metrics and checkpoints."""
-    os.makedirs(out_dir, exist_ok=True)
+    metrics and checkpoints. A folder it cannot make or write into is one line too."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    # a file of that name (makedirs' FileExistsError), a parent that is a file, a place with no write
+    # permission or none at all (/proc/nope)
+    except OSError as e:
+        why = "a file is there" if isinstance(e, FileExistsError) else f"{e.filename}: {e.strerror}"
+        stop_with(f"--out-dir {out_dir}: cannot make that folder ({why}): pass another --out-dir")
+    # a folder that is there but not this user's to write in: the first save would fail, steps later
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        stop_with(f"--out-dir {out_dir}: cannot write in that folder (no permission, or a read-only "
+                  f"file system): pass another --out-dir")
     fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     folder = os.fstat(fd)
     if (folder.st_dev, folder.st_ino) in _held:

@@ -190,6 +190,23 @@ def test_an_out_dir_holding_a_run_is_refused_unless_resumed_or_overwritten(tmp_p
     assert refusal(capsys, tmp_path, "--overwrite") is None
 
 
+def test_an_out_dir_that_cannot_be_a_folder_is_one_line(tmp_path, capsys):
+    """An --out-dir that is a file, lies under a file, or cannot be made (/proc/nope) was a traceback from
+    os.makedirs; each is one line naming --out-dir and why, before anything starts."""
+    (tmp_path / "file").write_text("x")
+    for out_dir, why in [(tmp_path / "file", "a file is there"),
+                         (tmp_path / "file" / "run", f"{tmp_path / 'file' / 'run'}: Not a directory"),
+                         ("/proc/nope", "/proc/nope: No such file or directory")]:
+        line = refusal(capsys, out_dir)
+        assert line == (f"grpo_train.py: --out-dir {out_dir}: cannot make that folder ({why}): pass another "
+                        f"--out-dir"), line
+    # a folder this user may not write in (root may: there the run goes on)
+    (tmp_path / "locked").mkdir(mode=0o555)
+    line = refusal(capsys, tmp_path / "locked")
+    assert line == (None if os.geteuid() == 0 else f"grpo_train.py: --out-dir {tmp_path / 'locked'}: cannot write "
+                    f"in that folder (no permission, or a read-only file system): pass another --out-dir"), line
+
+
 # a step's metrics, as the step line needs them
 ROW = {"reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "entropy": 1.0, "completion_len/mean": 5.0, "frac_zero_std": 0.5}
 
