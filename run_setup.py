@@ -65,7 +65,7 @@ def add_system_args(p):
                    help="auto: prompts through the tokenizer's chat template if it has one; none: as text")
     g.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward on a rank")
     g.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing: less memory, more compute")
-    g.add_argument("--ds-config", default="ds_config.json", help="DeepSpeed config (ZeRO-2)")
+    g.add_argument("--ds-config", default="ds_config.json", help="DeepSpeed config (ZeRO stage 2 or 1)")
     g.add_argument("--fp32-lm-head", action="store_true",
                    help="bf16 models: the trainer's and vLLM's lm_head in fp32 (docs/variants.md)")
     g = p.add_argument_group("LoRA (peft): only low-rank adapters train; vLLM gets the merged weights")

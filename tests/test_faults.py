@@ -633,6 +633,45 @@ def test_a_ds_config_that_is_not_a_json_object_is_one_line(tmp_path, capsys):
         assert e.value.code == 1 and err == f"grpo_train.py: --ds-config {tmp_path / name}: {said}\n", err
 
 
+# a --ds-config file's settings the trainer fills in or relies on, wrong -> its one line (each was a
+# traceback once vLLM and the reference server had started, or a stage the trainer cannot run)
+STAGES = "this trainer runs ZeRO stage 2 (ds_config.json) or 1; stage 3 splits the weights, which it reads " \
+         "whole, and 0 is no ZeRO"
+BAD_DS_SETTINGS = [
+    ({"zero_optimization": "2"}, 'zero_optimization must be a JSON object of settings, not "2"'),
+    ({"zero_optimization": {"stage": 2}, "optimizer": "adam"},
+     'optimizer must be a JSON object of settings, not "adam"'),
+    ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": [0.9]}},
+     "optimizer.params must be a JSON object of settings, not [0.9]"),
+    ({"zero_optimization": {"stage": "two"}}, f'zero_optimization.stage is "two": {STAGES}'),
+    ({"zero_optimization": {"stage": 3}}, f"zero_optimization.stage is 3: {STAGES}"),
+    ({"zero_optimization": {"stage": 0}}, f"zero_optimization.stage is 0: {STAGES}"),
+    ({"gradient_clipping": 1.0}, f"zero_optimization.stage is missing: {STAGES}"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}},
+     "zero_optimization.offload_optimizer.device: Input should be 'none', 'cpu' or 'nvme'"),
+    ({"zero_optimization": {"stage": 2, "overlap_com": True}},
+     "zero_optimization.overlap_com: Extra inputs are not permitted"),
+]
+
+
+def test_a_ds_config_whose_settings_deepspeed_or_the_trainer_refuse_is_one_line(tmp_path, capsys):
+    """Said before vLLM starts; the shipped files and a ZeRO-1 one pass."""
+    from grpo_train import get_args
+    from run_setup import check_config
+    path = tmp_path / "ds.json"
+    capsys.readouterr()
+    for settings, said in BAD_DS_SETTINGS:
+        path.write_text(json.dumps(settings))
+        with pytest.raises(SystemExit) as e:
+            check_config(1, **vars(get_args(["--model", "m/m", "--ds-config", str(path)])))
+        err = capsys.readouterr().err
+        assert e.value.code == 1 and err == f"grpo_train.py: --ds-config {path}: {said}\n", err
+    (tmp_path / "zero1.json").write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    for good in ("ds_config.json", "ds_config_offload.json", str(tmp_path / "zero1.json")):
+        check_config(1, **vars(get_args(["--model", "m/m", "--ds-config", good])))
+        assert "grpo_train.py: model m/m" in capsys.readouterr().out, good
+
+
 def test_long_prompts_are_skipped_and_a_task_with_none_left_is_refused(capsys):
     from demo.tiny_model import build_tokenizer
     from run_setup import load_prompts
