@@ -27,8 +27,8 @@ PACKAGES = {"tensorboard": ("tensorboard", "tensorboard==2.21.0"), "wandb": ("wa
 NOT_IN_CONFIG = ("config", "local_rank", "resume", "overwrite", "resume_with_changes", "help")
 
 
-def positive(text):
-    """--log-completions-every "10" -> 10 (argparse names the flag when this raises)."""
+def at_least_one(text):
+    """--threads "4", --log-completions-every "10" -> the count (argparse names the flag when this raises)."""
     if int(text) < 1:
         raise ValueError(text)
     return int(text)
@@ -117,7 +117,7 @@ def add_run_args(p):
                    help="N training completions (prompt, answer, completion, each reward, advantage) written to "
                         "completions.jsonl every --log-completions-every steps, and each evaluation's held-out "
                         "outputs (answer, completion, verdict) to eval_completions.jsonl")
-    g.add_argument("--log-completions-every", type=positive, default=1, help="steps between those rows")
+    g.add_argument("--log-completions-every", type=at_least_one, default=1, help="steps between those rows")
     g.add_argument("--log-every", type=int, default=0,
                    help="a step line every N steps (0: every step up to 100 steps, else about 100 lines a run); "
                         "on a terminal the steps between rewrite one line")

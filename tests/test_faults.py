@@ -561,6 +561,7 @@ def test_check_config_names_every_bad_flag(capsys):
                         r"\(--help lists the flags\)\n", err), err
 
 
+SEED_RANGE = "--seed must be in [0, 2147483647]: each vLLM engine's seed is it plus its place in the data, below 2**32"
 # a value out of its flag's range -> the one line that refuses it, before anything loads or starts
 OUT_OF_RANGE = [
     (["--beta", "-0.04"], "--beta must be >= 0"),
@@ -580,6 +581,9 @@ OUT_OF_RANGE = [
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--eval-every", "-5", "--save-every", "-5"], "--eval-every, --save-every must be >= 0"),
     (["--beta", "-1", "--lr", "-1", "--eps-high", "-1"], "--beta, --eps-high must be >= 0; --lr must be > 0"),
+    # numpy's "Seed must be between 0 and 2**32 - 1" killed the vLLM engine, after the start-up
+    (["--seed", "-1"], SEED_RANGE),
+    (["--seed", str(2**31)], SEED_RANGE),
     (["--steps", "6", "--sync-every", "2", "--eval-every", "3"],
      "--eval-every 3: evaluations come with the weight pushes, every --sync-every 2 steps: give a multiple "
      "of 2 (2, 4, ...)"),
@@ -605,6 +609,7 @@ def test_the_edges_of_each_flags_range_pass(capsys):
                    "--ref-wait", "0", "--gen-kv-gb", "1", "--max-new-tokens", "1"],
                   ["--sync-every", "2", "--eval-every", "4"], ["--sync-every", "3", "--eval-every", "0"],
                   ["--std-floor", "0.3", "--scale-rewards", "group"], ["--scale-rewards", "batch"],
+                  ["--seed", str(2**31 - 1)],
                   ["--sync-every", "2", "--eval-every", "3", "--eval-only"]):
         check_config(1, **vars(get_args(["--model", "m/m", *flags])))
         assert "grpo_train.py: " in capsys.readouterr().out, flags
