@@ -43,8 +43,18 @@ def hold_out_dir(out_dir):
     """Rank 0: an exclusive lock on --out-dir for the run's life (flock on the folder itself, so that a
     symlink to it is the same folder; the kernel drops it when the process ends, killed or not): a second
     run on the folder stops in one line before it touches anything, where it would write over this one's
-    metrics and checkpoints."""
-    os.makedirs(out_dir, exist_ok=True)
+    metrics and checkpoints. A folder it cannot make or write into is one line too."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    # a file of that name (makedirs' FileExistsError), a parent that is a file, a place with no write
+    # permission or none at all (/proc/nope)
+    except OSError as e:
+        why = "a file is there" if isinstance(e, FileExistsError) else f"{e.filename}: {e.strerror}"
+        stop_with(f"--out-dir {out_dir}: cannot make that folder ({why}): pass another --out-dir")
+    # a folder that is there but not this user's to write in: the first save would fail, steps later
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        stop_with(f"--out-dir {out_dir}: cannot write in that folder (no permission, or a read-only "
+                  f"file system): pass another --out-dir")
     fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     folder = os.fstat(fd)
     if (folder.st_dev, folder.st_ino) in _held:
@@ -103,7 +113,8 @@ def read_state(master, *, out_dir, resume, steps, overwrite=False, resume_with_c
     generation process starts from it while DeepSpeed sets up. An --out-dir that holds another run is
     refused unless --resume or --overwrite (which deletes nothing here: MetricsLog does, at the new run's
     first row); a resume that would change the run is refused unless --resume-with-changes, one with another
-    --model or --lora-rank always, and one with no step left to take: one line each."""
+    --model or --lora-rank always, one with no step left to take, and one into step_N folders that no
+    `latest` names (one into a new or empty folder starts from --model): one line each."""
     # --eval-only evaluates --model as it is: with --resume it waited for an evaluation never asked for
     if eval_only and resume:
         stop_with(f"--eval-only evaluates --model; it takes no --resume: name the checkpoint "
@@ -126,6 +137,13 @@ def read_state(master, *, out_dir, resume, steps, overwrite=False, resume_with_c
     if not resume:
         return state
     if not os.path.exists(latest):
+        # step_N folders without latest (lost, or deleted by hand): a fresh run would empty the metrics
+        # at its first row and prune or replace those checkpoints at its saves
+        if not overwrite and (kept := checkpoint_folders(out_dir)):
+            shown = ", ".join(kept) if len(kept) < 4 else f"{len(kept)} of them, {kept[0]} to {kept[-1]}"
+            stop_with(f"--resume: {out_dir} holds checkpoints ({shown}) but no file latest naming the one to "
+                      f"resume: write its name into it (the newest: echo {kept[-1]} > {latest}), or start "
+                      f"afresh with --overwrite")
         if master:
             print(f"--resume: no checkpoint in {out_dir}, starting from --model", flush=True)
         return state
@@ -150,6 +168,15 @@ def read_state(master, *, out_dir, resume, steps, overwrite=False, resume_with_c
         print(f"resuming after step {state['step']} from {path}"
               + (f" with {', '.join(changes)}" if changes else ""), flush=True)
     return state
+
+
+def checkpoint_folders(out_dir):
+    """The complete checkpoint folders in out_dir (not a save's step_N.tmp), oldest first: ["step_10", ...]."""
+    if not os.path.isdir(out_dir):
+        return []
+    steps = sorted(int(m[1]) for name in os.listdir(out_dir) if (m := re.fullmatch(r"step_(\d+)", name))
+                   and os.path.isdir(os.path.join(out_dir, name)))
+    return [f"step_{n}" for n in steps]
 
 
 def checked_state(path, tag, flags) -> dict:

@@ -5,7 +5,8 @@ end (metrics.MetricsLog); this draws it again, or another run's:
     python plot.py runs/demo/metrics.jsonl runs/demo/curve.png
 
 A killed run's torn last line is left out; a metrics file or an output folder that is not there, an output
-name matplotlib writes no image for (curve.txt), or a line before the last that is not JSON: one line.
+name matplotlib writes no image for (curve.txt), or a line before the last that is no JSON object (not text,
+not JSON, or another JSON value: an image given as the metrics file, a line `7`): one line.
 """
 import json
 import os
@@ -22,20 +23,28 @@ PANELS = [
 
 
 class BadLine(ValueError):
-    """A line of a metrics file that is not JSON, and not the last (which a killed run can leave torn)."""
+    """A line of a metrics file that is no JSON object, and not the last (which a killed run leaves torn)."""
 
 
 def read_metrics(path):
-    """A run's metrics.jsonl, a dict a line, less a torn last line."""
-    with open(path) as f:
+    """A run's metrics.jsonl, a dict a line, less a torn last line: a last line that is no JSON object (cut
+    short, even inside a character) is left out."""
+    # read as bytes: a file that is not text (an image given in its place) is one line, not a traceback
+    with open(path, "rb") as f:
         lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
     rows = []
     for n, line in lines:
         try:
-            rows.append(json.loads(line.rstrip("\n")))
+            row = json.loads(line.rstrip(b"\r\n").decode("utf-8"))
+            problem = None if isinstance(row, dict) else f"not a JSON object ({line.decode().strip()[:40]})"
+        except UnicodeDecodeError as e:
+            problem = f"not a JSON line (not UTF-8 text: byte 0x{line[e.start]:02x}, column {e.start + 1})"
         except json.JSONDecodeError as e:
-            if n != lines[-1][0]:
-                raise BadLine(f"{path}:{n}: not a JSON line ({e.msg}, column {e.colno})") from None
+            problem = f"not a JSON line ({e.msg}, column {e.colno})"
+        if problem and n != lines[-1][0]:
+            raise BadLine(f"{path}:{n}: {problem}")
+        if not problem:
+            rows.append(row)
     return rows
 
 

@@ -2,7 +2,8 @@
 --config), the flags that need each other or a package, and what a checkpoint's --eval-only evaluates.
 grpo_train.get_args uses it; each run saves the resolved flags as <out-dir>/config.yaml (metrics.py), which
 --config takes back to repeat the run; and the words run_setup.check_config says of a flag out of its range
-or a --ds-config file that is not JSON. A mistake is one line naming the flag, file or key (stop_with)."""
+or a --ds-config file that is not JSON or holds settings the trainer cannot run. A mistake is one line
+naming the flag, file or key (stop_with)."""
 import argparse
 import contextlib
 import importlib.util
@@ -26,8 +27,8 @@ PACKAGES = {"tensorboard": ("tensorboard", "tensorboard==2.21.0"), "wandb": ("wa
 NOT_IN_CONFIG = ("config", "local_rank", "resume", "overwrite", "resume_with_changes", "help")
 
 
-def positive(text):
-    """--log-completions-every "10" -> 10 (argparse names the flag when this raises)."""
+def at_least_one(text):
+    """--threads "4", --log-completions-every "10" -> the count (argparse names the flag when this raises)."""
     if int(text) < 1:
         raise ValueError(text)
     return int(text)
@@ -39,7 +40,8 @@ def out_of_range(within, **flags):
 
 
 def ds_config_error(path):
-    """--ds-config's mistake in one line (no such file, not JSON, not a JSON object), or None."""
+    """--ds-config's mistake in one line (no such file, not JSON, not a JSON object, a setting the trainer or
+    DeepSpeed refuses), or None."""
     if not os.path.isfile(path):
         return f"--ds-config {path}: no such file"
     try:
@@ -60,6 +62,37 @@ def ds_config_error(path):
     if config.get("gradient_accumulation_steps", 1) != 1 or "train_batch_size" in config:
         return (f"--ds-config {path}: keep gradient_accumulation_steps 1 and leave out train_batch_size: "
                 f"a step accumulates all its micro-batches itself (--micro-batch sets their size)")
+    return deepspeed_settings_error(path, config)
+
+
+def deepspeed_settings_error(path, config):
+    """The sections of a --ds-config file the trainer fills in or relies on, checked before vLLM starts
+    (DeepSpeed reads them after): zero_optimization (DeepSpeed's own check, and a stage of 1 or 2) and
+    optimizer. One line naming the key, or None."""
+    zero, optimizer = config.get("zero_optimization", {}), config.get("optimizer", {})
+    params = optimizer.get("params", {}) if isinstance(optimizer, dict) else {}
+    # the trainer sets zero_optimization.overlap_comm and optimizer.params.lr in them
+    for key, value in (("zero_optimization", zero), ("optimizer", optimizer), ("optimizer.params", params)):
+        if not isinstance(value, dict):
+            return (f"--ds-config {path}: {key} must be a JSON object of settings, not "
+                    f"{json.dumps(value)[:80]}")
+    stage = zero.get("stage")
+    # stage 3 splits the weights, which the weight push and the log-probs read whole; stage 0 (DeepSpeed's
+    # default) has no ZeRO optimizer: fp32 weights (CPU) get no grad norm for the step and no optimizer
+    # shard in the checkpoint
+    if isinstance(stage, bool) or stage not in (1, 2):
+        given = "missing" if stage is None else json.dumps(stage)[:80]
+        return (f"--ds-config {path}: zero_optimization.stage is {given}: this trainer runs ZeRO stage 2 "
+                f"(ds_config.json) or 1; stage 3 splits the weights, which it reads whole, and 0 is no ZeRO")
+    # imported here: DeepSpeed takes seconds to import, and only check_config (run_setup has it) asks this
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    try:
+        DeepSpeedZeroConfig(**zero)
+    # pydantic's ValidationError, one error a line: the first names the key
+    except ValueError as e:
+        first = e.errors()[0] if hasattr(e, "errors") else {"loc": (), "msg": str(e)}
+        key = ".".join(["zero_optimization", *map(str, first["loc"])])
+        return f"--ds-config {path}: {key}: {first['msg']}"
     return None
 
 
@@ -84,7 +117,7 @@ def add_run_args(p):
                    help="N training completions (prompt, answer, completion, each reward, advantage) written to "
                         "completions.jsonl every --log-completions-every steps, and each evaluation's held-out "
                         "outputs (answer, completion, verdict) to eval_completions.jsonl")
-    g.add_argument("--log-completions-every", type=positive, default=1, help="steps between those rows")
+    g.add_argument("--log-completions-every", type=at_least_one, default=1, help="steps between those rows")
     g.add_argument("--log-every", type=int, default=0,
                    help="a step line every N steps (0: every step up to 100 steps, else about 100 lines a run); "
                         "on a terminal the steps between rewrite one line")

@@ -25,8 +25,8 @@ from placement import (REF_GEN_MEM, SHARED_GEN_MEM, first_rank, free_port, maste
                        reference_beside_engine, reference_device, stop_with, training_gpus)
 from rewards import parse_reward_spec
 # grpo_train.get_args parses its flags with run_config.parse_flags (--config, one-line checks)
-from run_config import (DEFAULT_EVAL_SIZE, add_run_args, ds_config_error, out_of_range,  # noqa: F401
-                        parse_flags)
+from run_config import (DEFAULT_EVAL_SIZE, add_run_args, at_least_one, ds_config_error,  # noqa: F401
+                        out_of_range, parse_flags)
 from ref_client import server_urls, url_error
 from ref_server import default_dtype, missing_folder
 from tasks import DataError, drop_long_prompts, load_task
@@ -46,13 +46,6 @@ def device_list(text):
     return devices
 
 
-def at_least_one(text):
-    """--reward-workers "4" -> 4 (argparse names the flag when this raises)."""
-    if int(text) < 1:
-        raise ValueError(text)
-    return int(text)
-
-
 def add_system_args(p):
     """The flags that steer the machinery rather than the algorithm (grpo_train.py has those); and a bad
     flag's error in one line (argparse prints its whole usage first: 50 lines here). -> p"""
@@ -65,7 +58,7 @@ def add_system_args(p):
                    help="auto: prompts through the tokenizer's chat template if it has one; none: as text")
     g.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward on a rank")
     g.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing: less memory, more compute")
-    g.add_argument("--ds-config", default="ds_config.json", help="DeepSpeed config (ZeRO-2)")
+    g.add_argument("--ds-config", default="ds_config.json", help="DeepSpeed config (ZeRO stage 2 or 1)")
     g.add_argument("--fp32-lm-head", action="store_true",
                    help="bf16 models: the trainer's and vLLM's lm_head in fp32 (docs/variants.md)")
     g = p.add_argument_group("LoRA (peft): only low-rank adapters train; vLLM gets the merged weights")
@@ -248,6 +241,9 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
          f"then take at most {REF_GEN_MEM} of it (the server's model and the weight push's buffers need the rest; "
          f"or give the server a GPU of its own: --ref-device)"),
         (gen_mem is not None and not 0 < gen_mem <= 1, "--gen-mem must be in (0, 1]"),
+        # vLLM takes a seed below 2**32; an engine's is --seed + its place in the data + 1_000_003 x its index
+        (not 0 <= more.get("seed", 0) < 2**31, f"--seed must be in [0, {2**31 - 1}]: each vLLM engine's seed "
+                                                f"is it plus its place in the data, below 2**32"),
         (bad_model, bad_model),
         (bad_ds_config, bad_ds_config),
         (bad_rewards, bad_rewards),

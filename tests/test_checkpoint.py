@@ -204,6 +204,49 @@ def test_a_checkpoint_of_the_out_dir_as_model_is_refused(tmp_path, capsys):
     assert refusal(capsys, tmp_path / "step_10" / "model", "--model", str(tmp_path / "step_10")) is None
 
 
+def test_an_out_dir_that_cannot_be_a_folder_is_one_line(tmp_path, capsys):
+    """An --out-dir that is a file, lies under a file, or cannot be made (/proc/nope) was a traceback from
+    os.makedirs; each is one line naming --out-dir and why, before anything starts."""
+    (tmp_path / "file").write_text("x")
+    for out_dir, why in [(tmp_path / "file", "a file is there"),
+                         (tmp_path / "file" / "run", f"{tmp_path / 'file' / 'run'}: Not a directory"),
+                         ("/proc/nope", "/proc/nope: No such file or directory")]:
+        line = refusal(capsys, out_dir)
+        assert line == (f"grpo_train.py: --out-dir {out_dir}: cannot make that folder ({why}): pass another "
+                        f"--out-dir"), line
+    # a folder this user may not write in (root may: there the run goes on)
+    (tmp_path / "locked").mkdir(mode=0o555)
+    line = refusal(capsys, tmp_path / "locked")
+    assert line == (None if os.geteuid() == 0 else f"grpo_train.py: --out-dir {tmp_path / 'locked'}: cannot write "
+                    f"in that folder (no permission, or a read-only file system): pass another --out-dir"), line
+
+
+def test_a_resume_into_checkpoints_that_no_latest_names_is_refused(tmp_path, capsys):
+    """--resume where latest was lost (deleted by hand) but step_N folders stay started afresh, saying only
+    "no checkpoint": its first row emptied metrics.jsonl and its saves pruned and replaced those folders.
+    It is one line naming the folder now, touching nothing; a new or empty folder still starts afresh."""
+    a_run(tmp_path / "run", "--lr", "3e-4")
+    (tmp_path / "run" / "step_20").mkdir()
+    (tmp_path / "run" / "step_30.tmp").mkdir()
+    (tmp_path / "run" / "latest").unlink()
+    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    line = refusal(capsys, tmp_path / "run", "--lr", "3e-4", "--resume")
+    assert line == (f"grpo_train.py: --resume: {tmp_path / 'run'} holds checkpoints (step_10, step_20) but no file "
+                    f"latest naming the one to resume: write its name into it (the newest: echo step_20 > "
+                    f"{tmp_path / 'run' / 'latest'}), or start afresh with --overwrite"), line
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
+    assert refusal(capsys, tmp_path / "run", "--lr", "3e-4", "--resume", "--overwrite") is None
+    for n in (30, 40):
+        (tmp_path / "run" / f"step_{n}").mkdir()
+    line = refusal(capsys, tmp_path / "run", "--lr", "3e-4", "--resume")
+    assert "holds checkpoints (4 of them, step_10 to step_40) but" in line, line
+    for folder in (tmp_path / "new", tmp_path / "empty"):
+        if folder.name == "empty":
+            folder.mkdir()
+        assert refusal(capsys, folder, "--resume") is None
+        assert capsys.readouterr().out == f"--resume: no checkpoint in {folder}, starting from --model\n"
+
+
 # a step's metrics, as the step line needs them
 ROW = {"reward/mean": 0.5, "loss": 0.1, "kl": 0.0, "entropy": 1.0, "completion_len/mean": 5.0, "frac_zero_std": 0.5}
 

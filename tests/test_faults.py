@@ -561,6 +561,7 @@ def test_check_config_names_every_bad_flag(capsys):
                         r"\(--help lists the flags\)\n", err), err
 
 
+SEED_RANGE = "--seed must be in [0, 2147483647]: each vLLM engine's seed is it plus its place in the data, below 2**32"
 # a value out of its flag's range -> the one line that refuses it, before anything loads or starts
 OUT_OF_RANGE = [
     (["--beta", "-0.04"], "--beta must be >= 0"),
@@ -580,6 +581,9 @@ OUT_OF_RANGE = [
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--eval-every", "-5", "--save-every", "-5"], "--eval-every, --save-every must be >= 0"),
     (["--beta", "-1", "--lr", "-1", "--eps-high", "-1"], "--beta, --eps-high must be >= 0; --lr must be > 0"),
+    # numpy's "Seed must be between 0 and 2**32 - 1" killed the vLLM engine, after the start-up
+    (["--seed", "-1"], SEED_RANGE),
+    (["--seed", str(2**31)], SEED_RANGE),
     (["--steps", "6", "--sync-every", "2", "--eval-every", "3"],
      "--eval-every 3: evaluations come with the weight pushes, every --sync-every 2 steps: give a multiple "
      "of 2 (2, 4, ...)"),
@@ -605,6 +609,7 @@ def test_the_edges_of_each_flags_range_pass(capsys):
                    "--ref-wait", "0", "--gen-kv-gb", "1", "--max-new-tokens", "1"],
                   ["--sync-every", "2", "--eval-every", "4"], ["--sync-every", "3", "--eval-every", "0"],
                   ["--std-floor", "0.3", "--scale-rewards", "group"], ["--scale-rewards", "batch"],
+                  ["--seed", str(2**31 - 1)],
                   ["--sync-every", "2", "--eval-every", "3", "--eval-only"]):
         check_config(1, **vars(get_args(["--model", "m/m", *flags])))
         assert "grpo_train.py: " in capsys.readouterr().out, flags
@@ -631,6 +636,45 @@ def test_a_ds_config_that_is_not_a_json_object_is_one_line(tmp_path, capsys):
             check_config(1, **vars(get_args(["--model", "m/m", "--ds-config", str(tmp_path / name)])))
         err = capsys.readouterr().err
         assert e.value.code == 1 and err == f"grpo_train.py: --ds-config {tmp_path / name}: {said}\n", err
+
+
+# a --ds-config file's settings the trainer fills in or relies on, wrong -> its one line (each was a
+# traceback once vLLM and the reference server had started, or a stage the trainer cannot run)
+STAGES = "this trainer runs ZeRO stage 2 (ds_config.json) or 1; stage 3 splits the weights, which it reads " \
+         "whole, and 0 is no ZeRO"
+BAD_DS_SETTINGS = [
+    ({"zero_optimization": "2"}, 'zero_optimization must be a JSON object of settings, not "2"'),
+    ({"zero_optimization": {"stage": 2}, "optimizer": "adam"},
+     'optimizer must be a JSON object of settings, not "adam"'),
+    ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": [0.9]}},
+     "optimizer.params must be a JSON object of settings, not [0.9]"),
+    ({"zero_optimization": {"stage": "two"}}, f'zero_optimization.stage is "two": {STAGES}'),
+    ({"zero_optimization": {"stage": 3}}, f"zero_optimization.stage is 3: {STAGES}"),
+    ({"zero_optimization": {"stage": 0}}, f"zero_optimization.stage is 0: {STAGES}"),
+    ({"gradient_clipping": 1.0}, f"zero_optimization.stage is missing: {STAGES}"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}},
+     "zero_optimization.offload_optimizer.device: Input should be 'none', 'cpu' or 'nvme'"),
+    ({"zero_optimization": {"stage": 2, "overlap_com": True}},
+     "zero_optimization.overlap_com: Extra inputs are not permitted"),
+]
+
+
+def test_a_ds_config_whose_settings_deepspeed_or_the_trainer_refuse_is_one_line(tmp_path, capsys):
+    """Said before vLLM starts; the shipped files and a ZeRO-1 one pass."""
+    from grpo_train import get_args
+    from run_setup import check_config
+    path = tmp_path / "ds.json"
+    capsys.readouterr()
+    for settings, said in BAD_DS_SETTINGS:
+        path.write_text(json.dumps(settings))
+        with pytest.raises(SystemExit) as e:
+            check_config(1, **vars(get_args(["--model", "m/m", "--ds-config", str(path)])))
+        err = capsys.readouterr().err
+        assert e.value.code == 1 and err == f"grpo_train.py: --ds-config {path}: {said}\n", err
+    (tmp_path / "zero1.json").write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    for good in ("ds_config.json", "ds_config_offload.json", str(tmp_path / "zero1.json")):
+        check_config(1, **vars(get_args(["--model", "m/m", "--ds-config", good])))
+        assert "grpo_train.py: model m/m" in capsys.readouterr().out, good
 
 
 def test_long_prompts_are_skipped_and_a_task_with_none_left_is_refused(capsys):

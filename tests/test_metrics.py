@@ -307,6 +307,31 @@ def test_plotting_a_killed_runs_metrics_and_the_mistakes_of_plot_py(tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
+def test_plot_py_on_a_file_that_is_not_text_or_a_line_that_is_no_object_is_one_line(tmp_path):
+    """python plot.py run.png out.png (the image given as the metrics file) was a UnicodeDecodeError, and a
+    line that is JSON but no object (7) a TypeError; each is one line naming the file and line, as a line
+    that is not JSON is. As the last line, which a killed run leaves torn, either is left out."""
+    import subprocess
+    import sys
+    from plot import read_metrics
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    steps = "".join(json.dumps({"step": s, "loss": 0.1}) + "\n" for s in (1, 2))
+    (tmp_path / "run.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)
+    (tmp_path / "seven.jsonl").write_text(steps + "7\n" + steps)
+    (tmp_path / "list.jsonl").write_text(steps + "[1, 2]\n" + steps)
+    for name, said in (("run.png", "1: not a JSON line (not UTF-8 text: byte 0x89, column 1)"),
+                       ("seven.jsonl", "3: not a JSON object (7)"),
+                       ("list.jsonl", "3: not a JSON object ([1, 2])")):
+        p = subprocess.run([sys.executable, "plot.py", str(tmp_path / name), str(tmp_path / "x.png")], cwd=root,
+                           capture_output=True, text=True, timeout=120)
+        assert (p.returncode, p.stdout, p.stderr) == (1, "", f"plot.py: {tmp_path / name}:{said}\n"), p.stderr
+    # a last line cut inside a character, or one that is JSON but no object: left out as torn
+    (tmp_path / "torn.jsonl").write_bytes(steps.encode() + '{"note": "\u00e9'.encode()[:-1])
+    (tmp_path / "last.jsonl").write_text(steps + "7\n")
+    assert [r["step"] for r in read_metrics(tmp_path / "torn.jsonl")] == [1, 2]
+    assert [r["step"] for r in read_metrics(tmp_path / "last.jsonl")] == [1, 2]
+
+
 def test_a_config_file_under_the_command_line(tmp_path, capsys):
     """--config run.yaml: its keys under the command line's flags (which win), a switch as true, a list
     for --gen-devices, YAML's own numbers (3e-4 is a string to YAML 1.1: argparse reads it); the resolved
