@@ -76,13 +76,13 @@ def get_args(argv=None):
     return parse_flags(add_system_args(p), argv)
 
 def advantages(scores, group_size, scale="group", std_floor=0.0):
-    """Flat rewards of N groups -> advantages (N, G) and has_signal (N,) (choice 2); "batch" leaves
-    r - mean: batches.merge_batches divides by the std of every engine's rewards."""
+    """Flat rewards of N groups -> advantages (N, G), has_signal (N,): unequal rewards, exactly
+    (choice 2). "batch" leaves r - mean: batches.merge_batches divides by the whole batch's std."""
     r = torch.tensor(scores, dtype=torch.float64).view(-1, group_size)   # (N, G)
     # unbiased std, as TRL; --scale-rewards none is Dr. GRPO's
     std = r.std(1, keepdim=True)                                          # (N, 1)
-    scale_by = torch.where(std < std_floor, 1.0, std + 1e-4)              # (N, 1)
-    return (r - r.mean(1, keepdim=True)) / (scale_by if scale == "group" else 1), std.squeeze(1) > 0
+    scale_by = torch.where(std < std_floor, 1.0, std + 1e-4) if scale == "group" else 1.0  # (N, 1)
+    return (r - r.mean(1, keepdim=True)) / scale_by, r.amax(1) > r.amin(1)
 
 def completion_logps(model, input_ids, attention_mask, n_completion, temperature=1.0, chunk=512,
                      entropy=False):
@@ -123,14 +123,14 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, eps_low, e
     ratio = torch.exp(seq_log_ratio if ratio_level == "sequence" else log_ratio)  # (B, T or 1)
     A = advantages.unsqueeze(1)                                           # (B, 1)
     surrogate = torch.min(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)  # (B, T)
-    # choice 4: w = old / vLLM's, per token or sequence (a product), cut to the bounds
+    # choice 4: w = old / vLLM's per token or sequence (a product); out of bounds: cut, or 0
     w = torch.ones_like(A)                                                # (B, 1)
     outside = off = torch.zeros_like(keep)                                # (B, T)
     if is_mode != "none":
         d = torch.where(keep, old_logps - vllm_logps, 0.0)                # (B, T)
         w = torch.exp(d.sum(1, keepdim=True) if is_mode[0] == "s" else d)  # (B, T or 1)
         outside = ((w < is_min) | (w > is_max)) & keep                    # (B, T)
-        w = w.clamp(is_min, is_max) if is_mode.endswith("truncate") else w * ~outside  # (B, T)
+        w = w.clamp(is_min, is_max) if "truncate" in is_mode else w.where(~outside, 0.0)  # (B, T)
     # DeepSeek-V3.2: A < 0 and mean KL(vLLM || now) > delta: out of the surrogate
     if off_policy_mask is not None:
         kl_vllm = torch.where(keep, vllm_logps - logps.detach(), 0.0)     # (B, T)

@@ -168,6 +168,10 @@ def test_group_advantages():
     assert signal.tolist() == [True, False]   # equal rewards: no signal, the group is dropped
     adv, _ = advantages([0.0, 0.0, 1.0], group_size=3)
     assert adv[0, 2] > 0 > adv[0, 0]
+    # six equal rewards of 0.1 (gsm8k,format:0.1: all formatted, none right) can have a std of 1.5e-17, not
+    # 0 (torch's reduction of a single group rounds): such a group was kept, with advantages of 1e-13
+    for reward, group_size in [(0.1, 6), (0.7, 7), (0.4, 12)]:
+        assert advantages([reward] * group_size, group_size)[1].tolist() == [False]
 
 
 def test_reward_scaling_by_hand():
@@ -285,6 +289,21 @@ def test_tis_cap_is_token_truncate_with_a_max_by_hand():
     assert loss.item() == 0.0 and st["is_outside"].item() == 3
     loss, _, _ = grpo_loss(logps, logps.detach(), None, adv, mask, is_mode="sequence-mask", is_max=10.0, **kw)
     assert loss.item() == pytest.approx(-6.0)
+
+
+def test_a_sequence_whose_weight_overflows_float32_is_masked_not_nan():
+    """A long sequence far off vLLM's policy (0.8 nats a token over 120 tokens: exp(96) is inf in float32):
+    sequence-mask made its weight inf * 0 = nan, and the whole step's loss nan. It is masked, as one past
+    the bound is: the loss is the other sequence's alone."""
+    logps = torch.zeros(2, 120, requires_grad=True)
+    vllm = torch.zeros(2, 120)
+    vllm[1] = -0.8
+    adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 120)
+    kw = dict(beta=0, eps_low=0.2, eps_high=0.2, agg="token-mean", max_len=120, vllm_logps=vllm)
+    loss, _, stats = grpo_loss(logps, logps.detach(), None, adv, mask, is_mode="sequence-mask", **kw)
+    assert loss.item() == pytest.approx(-120 / 240) and stats["is_outside"].item() == 120
+    loss.backward()
+    assert torch.isfinite(logps.grad).all() and logps.grad[1].abs().sum() == 0
 
 
 @pytest.mark.parametrize("agg", AGGS)
