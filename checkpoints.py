@@ -82,11 +82,15 @@ def fresh_state(config=None):
 
 
 def holds_run(out_dir):
-    """-> what in out_dir shows that a run wrote there (its checkpoint or metrics), or None."""
+    """-> what in out_dir shows that a run wrote there (its checkpoint, checkpoint folders or metrics), or
+    None."""
     latest, metrics = os.path.join(out_dir, "latest"), os.path.join(out_dir, "metrics.jsonl")
     if os.path.exists(latest):
         with open(latest) as f:
             return f"its checkpoint {f.read().strip()}"
+    # latest lost: the new run would prune or save over them
+    if kept := checkpoint_folders(out_dir):
+        return f"its checkpoints {', '.join(kept) if len(kept) < 4 else f'{kept[0]} to {kept[-1]}'}"
     if os.path.exists(metrics) and os.path.getsize(metrics):
         return "its metrics.jsonl"
     return None

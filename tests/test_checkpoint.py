@@ -236,6 +236,10 @@ def test_a_resume_into_checkpoints_that_no_latest_names_is_refused(tmp_path, cap
                     f"{tmp_path / 'run' / 'latest'}), or start afresh with --overwrite"), line
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
     assert refusal(capsys, tmp_path / "run", "--lr", "3e-4", "--resume", "--overwrite") is None
+    # nor does a new run take them over (its saves pruned or replaced them) unless --overwrite
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    line = refusal(capsys, tmp_path / "run", "--lr", "3e-4")
+    assert "holds another run (its checkpoints step_10, step_20): --resume continues it" in line, line
     for n in (30, 40):
         (tmp_path / "run" / f"step_{n}").mkdir()
     line = refusal(capsys, tmp_path / "run", "--lr", "3e-4", "--resume")
