@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine_process import import_vllm
 from lora import adapter_targets, merged_weight
-from placement import (REF_GEN_MEM, SHARED_GEN_MEM, first_rank, free_port, master_store,
+from placement import (REF_GEN_MEM, SHARED_GEN_MEM, first_rank, free_port, machine_gpus, master_store, missing_gpu,
                        reference_beside_engine, reference_device, stop_with, training_gpus)
 from rewards import parse_reward_spec
 # grpo_train.get_args parses its flags with run_config.parse_flags (--config, one-line checks)
@@ -185,6 +185,8 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
     gen_servers = server_urls(gen_urls or "")
     shared = (torch.cuda.is_available() and not gen_servers
               and set(gen_devices or [gen_device]) & set(training_gpus(world)))
+    # GPU indices as the machine counts them: the launcher's CUDA_VISIBLE_DEVICES hides some from torch
+    bad_gpu = missing_gpu(machine_gpus(), None if gen_servers else gen_device, gen_devices, ref_device)
     beside_ref = reference_beside_engine(ref_device, gen_devices or [gen_device],
                                          beta > 0 and not ref_url and not eval_only)
     # the flags out of their range, named: those given wrong, not the whole group
@@ -233,6 +235,7 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
          "trains on, or cpu), or name one (--ref-url)"),
         (ref_device not in (None, "cpu") and not ref_device.isdigit(),
          f"--ref-device {ref_device}: a GPU index (0, 1, ...) or cpu"),
+        (bad_gpu, bad_gpu),
         (shared and (gen_mem or 0) > SHARED_GEN_MEM,
          f"--gen-mem {gen_mem}: a vLLM engine on a training GPU may take at most {SHARED_GEN_MEM} of it (the "
          f"trainer needs the rest)"),
