@@ -17,7 +17,7 @@ import torch.distributed as dist
 import transformers
 from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engine_process import import_vllm
 from lora import adapter_targets, merged_weight
@@ -28,7 +28,7 @@ from rewards import parse_reward_spec
 from run_config import (DEFAULT_EVAL_SIZE, add_run_args, at_least_one, ds_config_error,  # noqa: F401
                         out_of_range, parse_flags)
 from ref_client import server_urls, url_error
-from ref_server import default_dtype, missing_folder
+from ref_server import default_dtype, logit_transform, missing_folder
 from tasks import DataError, drop_long_prompts, load_task
 
 # a split held out of the train data (no test split) is the same rows whatever --seed, so runs compare
@@ -318,6 +318,9 @@ def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_ta
     # progress bars of the model's load and of each checkpoint's save would cut into the step lines
     transformers.utils.logging.disable_progress_bar()
     model_name, tok = model, AutoTokenizer.from_pretrained(model)
+    # before its weights load: the trainer's log-probs of such a model would not be those vLLM samples with
+    if why := logit_transform(AutoConfig.from_pretrained(model_name)):
+        stop_with(f"--model {model_name}: {why}")
     model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype)
     if lora_rank:
         # peft matches targets by name, ignores one that matches nothing while another matches, and
