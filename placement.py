@@ -147,6 +147,30 @@ def master_store(timeout):
         return None
 
 
+def machine_gpus():
+    """The GPUs of this machine, as NVML counts them: the indices --gen-devices and --ref-device name. Not
+    torch.cuda.device_count(), which counts those of the launcher's CUDA_VISIBLE_DEVICES (--include, --num_gpus)
+    alone. None without CUDA, or where NVML cannot say."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        count = torch.cuda._raw_device_count_nvml()
+    except OSError:
+        return None
+    return count if count >= 0 else None
+
+
+def missing_gpu(gpus, gen_device, gen_devices, ref_device):
+    """The device flags (--gen-device: None where unused) naming a GPU beyond this machine's `gpus` (None: not
+    known) -> one line for them, or None."""
+    named = {"--gen-devices": gen_devices or [],
+             "--gen-device": [gen_device] if gen_device is not None and not gen_devices else [],
+             "--ref-device": [int(ref_device)] if str(ref_device).isdigit() else []}
+    bad = [f"{flag} {','.join(map(str, given))}: this machine has no GPU {max(given)} (it has {gpus}, numbered "
+           f"from 0)" for flag, given in named.items() if gpus is not None and given and max(given) >= gpus]
+    return "; ".join(bad) or None
+
+
 def reference_device(ref_device, gen_devices):
     """--ref-device -> "cpu" or a GPU index (as the machine counts them), its default applied."""
     if ref_device is None:

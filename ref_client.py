@@ -79,10 +79,12 @@ def _call(method, endpoint, body=None, headers=None, *, timeout, retry_for, back
     while True:
         try:
             r = _session().request(method, endpoint, data=body, headers=headers, timeout=timeout)
-            # a server killed mid-answer can leave a 200 cut short, even before its headers
-            announced = r.headers.get("Content-Length")
-            if r.status_code == 200 and announced != str(len(r.content)):
-                last = f"HTTP 200 cut short ({len(r.content)} bytes, {announced} announced)"
+            # a server killed mid-answer can leave a 200 cut short, even before its headers. Content-Length
+            # counts the bytes on the wire, which a proxy may have gzipped (requests asks for it and
+            # decompresses): those are compared. A chunked answer (none) ends in a last chunk urllib3 checks
+            announced, received = r.headers.get("Content-Length"), r.raw.tell()
+            if r.status_code == 200 and not r.raw.chunked and announced != str(received):
+                last = f"HTTP 200 cut short ({received} bytes, {announced} announced)"
             elif r.status_code < 500:
                 break
             else:

@@ -1,9 +1,6 @@
 """Reference-model server for GRPO: holds the frozen reference model, answers per-token log-probs.
-
     python ref_server.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda:0 --port 59875
-
-GET /health, POST /logps (token ids in, log-probs out), POST /reload (a checkpoint under
---checkpoint-dir), and every error: docs/reference-server.md. Imports no project file."""
+GET /health, POST /logps, POST /reload: docs/reference-server.md. Imports no project file."""
 import argparse
 import hashlib
 import hmac
@@ -24,8 +21,6 @@ from waitress.server import TcpWSGIServer
 from waitress.utilities import Error, queue_logger
 
 REQUEST_KEYS = ("input_ids", "seq_lens", "prompt_lens")
-# below this, logits / T overflow float32 (1e-45 gave -inf, 1e-300 NaN); samplers call it greedy
-MIN_TEMPERATURE = 1e-3
 # the config fields model_fingerprint hashes (/reload compares every field: check_config)
 ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "num_key_value_heads")
@@ -79,11 +74,11 @@ def decode_request(body, *, vocab_size, max_seqs, max_tokens, max_seq_len=None):
         temperature = float(meta["temperature"])
     except (KeyError, ValueError) as e:
         raise WireError(f"metadata needs a numeric 'temperature', got {meta}") from e
-    if not MIN_TEMPERATURE <= temperature < float("inf"):
-        raise WireError(f"temperature must be finite and >= {MIN_TEMPERATURE}, got {temperature}")
-    seqs = [s.tolist() for s in ids.split(seq_lens.tolist())]
-    return ([s[:p] for s, p in zip(seqs, prompt_lens.tolist())],
-            [s[p:] for s, p in zip(seqs, prompt_lens.tolist())], temperature)
+    # below 0.001, logits / T overflow float32 (1e-45: -inf, 1e-300: NaN); samplers call it greedy
+    if not 1e-3 <= temperature < float("inf"):
+        raise WireError(f"temperature must be finite and >= 0.001, got {temperature}")
+    seqs = list(zip(ids.split(seq_lens.tolist()), prompt_lens.tolist()))
+    return [s[:p].tolist() for s, p in seqs], [s[p:].tolist() for s, p in seqs], temperature
 
 def encode_response(logps: list[torch.Tensor]) -> bytes:
     """The /logps answer: one float32 `logps` of every completion token, concatenated."""
@@ -113,8 +108,7 @@ def model_fingerprint(model, samples=64) -> str:
     picked = []
     for name, w in sorted(model.state_dict().items()):
         h.update(f"{name}{list(w.shape)};".encode())
-        flat = w.detach().flatten()
-        picked.append(flat[::max(1, flat.numel() // samples)][:samples].to(torch.bfloat16))
+        picked.append(w.detach().flatten()[::max(1, w.numel() // samples)][:samples].bfloat16())
     h.update(torch.cat(picked).float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -123,19 +117,27 @@ def default_dtype(device) -> str:
     native = "cuda" in str(device) and torch.cuda.is_bf16_supported(including_emulation=False)
     return "bfloat16" if native else "float32"
 
-def load_model(path, device="cpu", dtype="auto", fp32_lm_head=False):
+def logit_transform(config) -> str | None:
+    """Why log-probs of lm_head alone (compute_logps, the trainer's) are not vLLM's, or None."""
+    for key, same in (("final_logit_softcapping", None), ("logits_scaling", 1), ("logit_scale", 1),
+                      ("lm_head_multiplier", 1)):
+        if (value := getattr(config.get_text_config(), key, None)) not in (None, same):
+            return f"its config has {key} {value}; this trainer's log-probs apply lm_head alone"
+
+def load_model(model, device="cpu", dtype="auto", fp32_lm_head=False, **_):
     # here, so importing this module stays light
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if why := logit_transform(AutoConfig.from_pretrained(model)):
+        raise SystemExit(f"ref_server: --model {model}: {why}")
     dtype = getattr(torch, default_dtype(device) if dtype == "auto" else dtype)
     # safetensors only: never a format that runs code on load (a hub model without them: refused)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
-    model = model.to(device).eval().requires_grad_(False)
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, use_safetensors=True).to(device)
     if fp32_lm_head:
         # as grpo_train.py --fp32-lm-head and vLLM 0.32's head_dtype float32
-        head = model.get_output_embeddings()
+        head = net.get_output_embeddings()
         bias = lambda: None if head.bias is None else head.bias.float()
         head.forward = lambda h: torch.nn.functional.linear(h.float(), head.weight.float(), bias())
-    return model
+    return net.eval().requires_grad_(False)
 
 @torch.no_grad()
 def compute_logps(model, prompts, completions, temperature, chunk=512) -> list[torch.Tensor]:
@@ -364,9 +366,8 @@ def serve(app, args):
                 self.error = JsonError(411, "Length Required", "send Content-Length")
             elif getattr(self.error, "code", None) == 413:
                 self.error.body = f"exceeds max_body of {args.max_body} bytes"
-            self.completed = self.completed or isinstance(self.error, JsonError)
-            if self.error and not isinstance(self.error, JsonError):
-                self.error = JsonError(self.error.code, self.error.reason, self.error.body)
+            if error := self.error:
+                self.completed, self.error = True, JsonError(error.code, error.reason, error.body)
             return n
 
     class Server(TcpWSGIServer):
@@ -440,8 +441,7 @@ def main(argv=None):
         server = serve(bottle.Bottle(), args)
     except OSError as e:
         raise SystemExit(f"ref_server: cannot listen on {args.host}:{args.port}: {e.strerror}")
-    server.application = make_app(load_model(args.model, args.device, args.dtype,
-                                             args.fp32_lm_head), args)
+    server.application = make_app(load_model(**vars(args)), args)
     print(f"ref_server: {args.model} on {args.device}, listening on "
           f"http://{args.host}:{server.effective_port}", flush=True)
     server.run()

@@ -17,18 +17,18 @@ import torch.distributed as dist
 import transformers
 from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engine_process import import_vllm
 from lora import adapter_targets, merged_weight
-from placement import (REF_GEN_MEM, SHARED_GEN_MEM, first_rank, free_port, master_store,
+from placement import (REF_GEN_MEM, SHARED_GEN_MEM, first_rank, free_port, machine_gpus, master_store, missing_gpu,
                        reference_beside_engine, reference_device, stop_with, training_gpus)
 from rewards import parse_reward_spec
 # grpo_train.get_args parses its flags with run_config.parse_flags (--config, one-line checks)
 from run_config import (DEFAULT_EVAL_SIZE, add_run_args, at_least_one, ds_config_error,  # noqa: F401
                         out_of_range, parse_flags)
 from ref_client import server_urls, url_error
-from ref_server import default_dtype, missing_folder
+from ref_server import default_dtype, logit_transform, missing_folder
 from tasks import DataError, drop_long_prompts, load_task
 
 # a split held out of the train data (no test split) is the same rows whatever --seed, so runs compare
@@ -185,6 +185,8 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
     gen_servers = server_urls(gen_urls or "")
     shared = (torch.cuda.is_available() and not gen_servers
               and set(gen_devices or [gen_device]) & set(training_gpus(world)))
+    # GPU indices as the machine counts them: the launcher's CUDA_VISIBLE_DEVICES hides some from torch
+    bad_gpu = missing_gpu(machine_gpus(), None if gen_servers else gen_device, gen_devices, ref_device)
     beside_ref = reference_beside_engine(ref_device, gen_devices or [gen_device],
                                          beta > 0 and not ref_url and not eval_only)
     # the flags out of their range, named: those given wrong, not the whole group
@@ -233,6 +235,7 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
          "trains on, or cpu), or name one (--ref-url)"),
         (ref_device not in (None, "cpu") and not ref_device.isdigit(),
          f"--ref-device {ref_device}: a GPU index (0, 1, ...) or cpu"),
+        (bad_gpu, bad_gpu),
         (shared and (gen_mem or 0) > SHARED_GEN_MEM,
          f"--gen-mem {gen_mem}: a vLLM engine on a training GPU may take at most {SHARED_GEN_MEM} of it (the "
          f"trainer needs the rest)"),
@@ -315,6 +318,9 @@ def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_ta
     # progress bars of the model's load and of each checkpoint's save would cut into the step lines
     transformers.utils.logging.disable_progress_bar()
     model_name, tok = model, AutoTokenizer.from_pretrained(model)
+    # before its weights load: the trainer's log-probs of such a model would not be those vLLM samples with
+    if why := logit_transform(AutoConfig.from_pretrained(model_name)):
+        stop_with(f"--model {model_name}: {why}")
     model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype)
     if lora_rank:
         # peft matches targets by name, ignores one that matches nothing while another matches, and

@@ -825,6 +825,42 @@ def test_gen_mem_is_checked_against_what_shares_the_engines_gpu(capsys, monkeypa
     assert [default_gen_mem(*where) for where in ((False, True), (False, False), (True, True))] == [0.7, 0.9, 0.3]
 
 
+def test_a_gpu_the_machine_lacks_is_one_line_naming_its_flag(capsys, monkeypatch):
+    """--gen-device(s) and --ref-device index the machine's GPUs, as NVML counts them (the launcher's
+    CUDA_VISIBLE_DEVICES hides the others from torch.cuda.device_count()). One beyond them was vLLM's or the
+    reference server's traceback, then "the generation process died ... device 7"; it is one line naming the
+    flag. The rule (placement.missing_gpu), then check_config on a pretend 2-GPU machine whose launcher made one
+    visible (torch.cuda.is_available and NVML's count are the things patched)."""
+    from grpo_train import get_args
+    from placement import machine_gpus, missing_gpu
+    from run_setup import check_config
+    lacks = lambda flag, given, gpu, gpus: (f"{flag} {given}: this machine has no GPU {gpu} (it has {gpus}, "
+                                            f"numbered from 0)")
+    assert missing_gpu(4, 3, None, "2") is None and missing_gpu(4, 0, [0, 1, 2, 3], "cpu") is None
+    assert missing_gpu(4, 7, None, None) == lacks("--gen-device", 7, 7, 4)
+    assert missing_gpu(4, 0, [1, 5, 2], "cpu") == lacks("--gen-devices", "1,5,2", 5, 4)
+    assert missing_gpu(2, 0, None, "2") == lacks("--ref-device", 2, 2, 2)
+    assert missing_gpu(2, 0, [0, 3], "4") == f"{lacks('--gen-devices', '0,3', 3, 2)}; {lacks('--ref-device', 4, 4, 2)}"
+    # --gen-device unused (beside --gen-devices; None: with --gen-urls), and a count not known: nothing to say
+    assert missing_gpu(2, 9, [1], None) is None and missing_gpu(2, None, None, None) is None
+    assert missing_gpu(None, 9, [9], "9") is None
+    # here: no CUDA (or no NVML) is a count not known
+    assert machine_gpus() is None if not torch.cuda.is_available() else machine_gpus() >= torch.cuda.device_count()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    capsys.readouterr()
+    for flags, said in ((["--gen-device", "2"], lacks("--gen-device", 2, 2, 2)),
+                        (["--gen-devices", "1,7"], lacks("--gen-devices", "1,7", 7, 2)),
+                        (["--gen-device", "1", "--ref-device", "3"], lacks("--ref-device", 3, 3, 2))):
+        with pytest.raises(SystemExit) as e:
+            check_config(1, **vars(get_args(["--model", "m/m", *flags])))
+        assert e.value.code == 1 and capsys.readouterr().err == f"grpo_train.py: {said}\n"
+    # the 2-GPU layout (GPU 1 visible to no rank) and both GPUs as engines pass
+    for flags in (["--gen-device", "1"], ["--gen-devices", "0,1", "--ref-device", "cpu"]):
+        check_config(1, **vars(get_args(["--model", "m/m", *flags])))
+
+
 def test_overlap_comm_is_on_where_more_than_one_rank_trains(tmp_path):
     """ZeRO-2 overlaps its gradient reduction with the backward on 2+ ranks, not on one (only its buffers
     there); a value written in the --ds-config file wins."""

@@ -580,3 +580,48 @@ def test_fp32_lm_head_on_a_bf16_model(tiny_model):
     assert max((p - e).abs().max() for p, e in zip(served_plain, served_exact)) > 1e-5
     logps[keep].sum().backward()
     assert head.weight.grad.dtype == torch.bfloat16 and head.weight.grad.abs().sum() > 0
+
+
+
+def test_a_model_that_changes_its_logits_after_lm_head_is_refused_at_load(tmp_path, tiny_model, capsys):
+    """Gemma2's soft-cap, Granite's logits_scaling, Cohere's logit_scale: the model's forward (and vLLM, which
+    samples) changes lm_head's logits, where the trainer's completion_logps and the reference server's
+    compute_logps apply lm_head alone. Such a model is refused before its weights load, by the trainer and by a
+    reference server started alone, in one line naming the key and its value; Qwen2, Llama, Gemma3 (no cap by
+    default) and Granite at scale 1 pass."""
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    import ref_server
+    from run_setup import load_policy
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    tiny = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    for name, config, said in [("Gemma2", transformers.Gemma2Config(**tiny), "final_logit_softcapping 30.0"),
+                               ("Granite", transformers.GraniteConfig(**tiny, logits_scaling=8.0), "logits_scaling 8.0"),
+                               ("Cohere", transformers.CohereConfig(**tiny), "logit_scale 0.0625")]:
+        # the trainer's log-probs of such a model are not the model's own: what the refusal stands for
+        model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+        with torch.no_grad():
+            # logits of a trained model's size (tens), where a random one's are near 0
+            model.get_output_embeddings().weight.normal_(0, 10)
+            own = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+            assert (completion_logps(model, ids, torch.ones_like(ids), 4)[0] - own).abs().max() > 1e-3, name
+        # config.json and a tokenizer, no weights: the refusal comes before any would load
+        folder = str(tmp_path / name)
+        config.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(tiny_model).save_pretrained(folder)
+        line = f"--model {folder}: its config has {said}; this trainer's log-probs apply lm_head alone"
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            load_policy(folder)
+        assert e.value.code == 1 and capsys.readouterr().err == f"grpo_train.py: {line}\n"
+        with pytest.raises(SystemExit) as e:
+            ref_server.load_model(folder)
+        assert e.value.code == f"ref_server: {line}"
+    # Falcon-H1's multiplier (when set); the neutral values, and the keys' absence, pass
+    assert "lm_head_multiplier 2.0;" in ref_server.logit_transform(transformers.FalconH1Config(lm_head_multiplier=2.0))
+    for config in (transformers.Qwen2Config(), transformers.LlamaConfig(), transformers.Gemma3TextConfig(),
+                   transformers.Gemma3Config(), transformers.GraniteConfig(), transformers.FalconH1Config(),
+                   AutoConfig.from_pretrained(tiny_model)):
+        assert ref_server.logit_transform(config) is None, type(config).__name__

@@ -2,7 +2,9 @@
 import copy
 import errno
 import gc
+import gzip
 import http.client
+import http.server
 import json
 import re
 import os
@@ -902,6 +904,47 @@ def test_client_retries_an_answer_cut_short(capsys):
     assert "(HTTP 200 cut short (0 bytes, None announced)); retrying" in err, err
     assert "ChunkedEncodingError" in err, err
     listener.close()
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_client_takes_an_answer_a_proxy_gzipped(framing, capsys):
+    """A proxy before the server (TLS: docs/reference-server.md) may gzip its answers, which requests asks for
+    (Accept-Encoding) and decompresses: their Content-Length counts the gzipped bytes, not the body's. Or it
+    sends them chunked, with no Content-Length. Either is a whole answer, taken at the first attempt (it was
+    retried until --ref-wait ran out, then 'HTTP 200 cut short'). The proxy here is http.server."""
+    logps = [torch.tensor([-0.5]), torch.tensor([-1.25, -2.0])]
+    answers = {"/health": json.dumps({"status": "ok"}).encode(), "/logps": encode_response(logps)}
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            body = gzip.compress(answers[self.path])
+            self.send_response(200)
+            self.send_header("Content-Encoding", "gzip")
+            if framing == "chunked":
+                self.send_header("Transfer-Encoding", "chunked")
+                body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+            else:
+                self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.do_GET()
+
+        def log_message(self, *args):
+            pass
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        got = ref_logps(f"http://127.0.0.1:{proxy.server_port}", [[1], [2, 3]], [[4], [5, 6]], 1.0, retry_for=0)
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+    assert [t.tolist() for t in got] == [[-0.5], [-1.25, -2.0]]
+    assert "retrying" not in capsys.readouterr().err
 
 
 # ref_server.py, with the checkpoint file CUT_SHORT cut to half its size once its header has been read: the
