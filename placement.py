@@ -153,9 +153,11 @@ def machine_gpus():
     alone. None without CUDA, or where NVML cannot say."""
     if not torch.cuda.is_available():
         return None
+    # torch's own NVML count (private: torch/cuda/__init__.py, torch 2.11 and 2.13); no NVML library (ROCm),
+    # or a torch without it: not known
     try:
         count = torch.cuda._raw_device_count_nvml()
-    except OSError:
+    except (OSError, AttributeError):
         return None
     return count if count >= 0 else None
 
