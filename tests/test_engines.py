@@ -557,3 +557,59 @@ def test_a_short_run_pushes_every_step_into_the_installed_vllm_and_stops_cleanly
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["sync/logp_diff"] < 1e-3 for r in rows), rows
     assert "Traceback" not in out, out[-5000:]
+
+
+def _engine_answering(control, answers, read_s):
+    """An engine's queue loop (engine_process.serve): each call answered once done, an update's chunk taking
+    read_s to read (vLLM's IPC consumer copies it out of rank 0's buffer), until "stop"."""
+    while (msg := control.get())["kind"] == "transfer":
+        time.sleep(read_s if msg["method"] == "update" else 0)
+        answers.put(msg["method"])
+
+
+def ipc_chunk(i):
+    """The update info vLLM's packed IPC sender hands update_weights for chunk i (its own dataclass where its
+    IPC module imports: vLLM 0.26's needs ray)."""
+    from weight_transfer import ipc_engine_importable
+    fields = {"names": [f"chunk{i}.weight"], "dtype_names": ["float32"], "shapes": [[2]],
+              "ipc_handles": {"GPU-0": (i,)}, "tensor_sizes": [8]}
+    if not ipc_engine_importable():
+        return fields
+    from dataclasses import asdict
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+    return asdict(IPCWeightTransferUpdateInfo(**fields))
+
+
+def test_a_chunk_lent_over_cuda_ipc_is_read_by_every_engine_before_the_sender_refills_its_buffer():
+    """vLLM's packed IPC sender puts each chunk into one buffer of rank 0's, which it refills for the next
+    chunk as soon as update_weights returns (packed_tensor.py, packed_ipc_producer): each such call returns
+    only once every engine has answered it, here the slower of two engines, which takes 1 s a chunk. A gloo
+    or NCCL update still returns at once (it runs beside a broadcast that waits itself), its answer collected
+    at the finish. An engine that dies while rank 0 waits for its answer ends the wait in one line."""
+    import multiprocessing
+    from transfer_clients import EngineClient
+    from weight_transfer import update_info
+    ctx = multiprocessing.get_context("spawn")
+    controls, answers = [ctx.Queue(), ctx.Queue()], [ctx.Queue(), ctx.Queue()]
+    engines = [ctx.Process(target=_engine_answering, args=(c, a, s), daemon=True)
+               for c, a, s in zip(controls, answers, (0, 1.0))]
+    for engine in engines:
+        engine.start()
+    try:
+        client = EngineClient(controls, answers, rank_zero_watching(*engines)._engines_live)
+        client.start_weight_update()
+        for i in range(2):
+            t0 = time.monotonic()
+            client.update_weights(ipc_chunk(i))
+            assert time.monotonic() - t0 >= 1.0 and client.unanswered == 0
+        t0 = time.monotonic()
+        client.update_weights(update_info([]))
+        assert time.monotonic() - t0 < 0.5 and client.unanswered == 1
+        client.finish_weight_update()
+        assert client.unanswered == 0 and all(a.empty() for a in answers)
+        engines[1].kill()
+        with pytest.raises(RuntimeError, match="engine 1 died during a weight push"):
+            client.update_weights(ipc_chunk(2))
+    finally:
+        for engine in engines:
+            engine.kill()
