@@ -438,4 +438,7 @@ def apply_transfer(llm, msg, never_pushed):
             raise RuntimeError(f"weight push version {msg['version']} left vLLM parameters unsent or sent in "
                                f"part: {', '.join(missing)}")
         finish_update(llm, msg["version"])
-        llm.reset_prefix_cache()
+        # False while a request holds KV blocks (block_pool.py, reset_prefix_cache, 0.26 to 0.32): the next
+        # batch would reuse KV of the old weights under the new version (ServerLLM raises its own line)
+        if llm.reset_prefix_cache() is False:
+            raise RuntimeError(f"weight push version {msg['version']}: vLLM refused to reset its prefix cache")
