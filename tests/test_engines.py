@@ -657,3 +657,32 @@ def test_an_engine_whose_server_is_lost_while_rank_0_reads_nothing_ends_the_run_
         assert engine.exitcode == 1
     finally:
         engine.kill()
+
+
+def test_the_workers_of_a_data_parallel_server_take_distinct_ranks_in_the_weight_group(monkeypatch):
+    """A vLLM server of two data-parallel replicas of two tensor-parallel workers counts four workers (GET
+    /get_world_size), each replica numbering its own 0 and 1 (ParallelConfig.rank). The gloo engine ranks
+    them as vLLM's NCCL engine does (nccl_common.worker_init_process_group): the four and rank 0 open one
+    group of five, where replica 1's workers took replica 0's ranks before."""
+    import weight_transfer
+    from vllm.config import ParallelConfig
+    monkeypatch.setattr(weight_transfer, "GROUP_TIMEOUT", datetime.timedelta(seconds=10))
+    workers = []
+    for replica in (0, 1):
+        for rank in (0, 1):
+            config = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, data_parallel_rank=replica)
+            config.rank = rank
+            worker = weight_transfer.GlooWeightTransferEngine.__new__(weight_transfer.GlooWeightTransferEngine)
+            worker.parallel_config = config
+            workers.append(worker)
+    assert workers[0].parallel_config.world_size_across_dp == 4
+    port = next_port()
+    info = weight_transfer.GlooInitInfo(master_address="127.0.0.1", master_port=port, rank_offset=1,
+                                        world_size=5)
+    joined = [weight_transfer.run_on_thread(w.init_transfer_engine, info) for w in workers]
+    group = weight_transfer.gloo_group("127.0.0.1", port, 0, 5)
+    assert all(j.join(30) for j in joined)
+    assert [w.group.rank() for w in workers] == [1, 2, 3, 4]
+    for w in workers:
+        w.shutdown()
+    group.shutdown()
