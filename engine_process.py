@@ -268,20 +268,23 @@ def serve(rollout, reference, engine_kw, job, train_set, eval_share, control, re
     One thread, so batches are scored and sent in the order sampled; a reference reload first waits for
     the batches sampled before it, so which checkpoint scored which batch stays the rule (ref/step)."""
     from remote_engine import ServerError
+    # the trainer's pid as it gave it: one that died while this process was still starting must be seen
+    check_parent = partial(exit_if_orphaned, job["trainer"], f"generation engine {job['index']}")
+    watch_parent(check_parent)
+    store = dist.TCPStore("127.0.0.1", job["store_port"], is_master=False, timeout=GROUP_TIMEOUT)
     try:
-        _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, results, answers)
+        _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, results, answers, store,
+               check_parent)
     except ServerError as e:
-        end_with(results, str(e))
+        end_with(store, results, str(e))
 
 
-def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, results, answers):
+def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, results, answers, store,
+           check_parent):
     """serve's loop."""
     import_vllm()
     from weight_transfer import apply_transfer, register_gloo, shutdown_transfer
     index, engines = job["index"], job["engines"]
-    # the trainer's pid as it gave it: one that died while this process was still importing must be seen
-    check_parent = partial(exit_if_orphaned, job["trainer"], f"generation engine {index}")
-    watch_parent(check_parent)
     register_gloo()
     skipped = never_pushed(engine_kw["model"])
     # a CPU run's engine has no device to name
@@ -289,8 +292,7 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
         print(f"generation engine {index}: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
     # a seed of its own per engine; a resumed run reseeds (+ pos): vLLM's RNG cannot be saved from outside
     pos, per_step = job["pos"], job["per_step"]
-    llm = open_llm(job, engine_kw, job["seed"] + pos + 1_000_003 * index, partial(end_with, results))
-    store = dist.TCPStore("127.0.0.1", job["store_port"], is_master=False, timeout=GROUP_TIMEOUT)
+    llm = open_llm(job, engine_kw, job["seed"] + pos + 1_000_003 * index, partial(end_with, store, results))
     draws = shares_of_blocks(len(train_set), job["seed"], pos, per_step, job["share"])
 
     def next_prompts():
@@ -396,11 +398,26 @@ def open_llm(job, engine_kw, seed, lost):
     return LLM(seed=seed, **engine_kw, **quiet_vllm_console(engine_kw["model"]))
 
 
-def end_with(results, line):
-    """This engine ends the run with `line` (the vLLM server it drives failed): rank 0 says it in place of
-    the generation process's death. The queue is flushed first: os._exit drops what its feeder thread has
-    not yet written."""
-    results.put({"kind": "lost", "why": line})
-    results.close()
-    results.join_thread()
-    os._exit(1)
+# the key of rank 0's store under which an engine leaves the line it ends with (end_with)
+LOST_KEY = "lost"
+# how long an ending engine lets its results' feeder thread write what it holds: enough for a rank 0 that is
+# reading (a message cut short by the exit would block its read for good); one that is not reads the line
+# in the store instead, and never reads this queue again
+FLUSH_S = 5.0
+# the server's watch thread and the main thread can both find the server gone: the second waits for the exit
+ENDING = threading.Lock()
+
+
+def end_with(store, results, line):
+    """This engine ends the run with `line` (the vLLM server it drives failed): it leaves the line in rank
+    0's store, which rank 0 reads whenever it checks its engines (GenerationProcess.check_alive), whether or
+    not it is reading this engine's results then; then it exits, after FLUSH_S at most. Rank 0 may not read
+    the results for a long time (it waits for a push to land, with a batch of this engine's untaken): waiting
+    for the feeder thread without a bound would keep this process, and rank 0 with it, waiting for good."""
+    with ENDING:
+        store.set(LOST_KEY, line)
+        results.close()
+        flushing = threading.Thread(target=results.join_thread, daemon=True)
+        flushing.start()
+        flushing.join(FLUSH_S)
+        os._exit(1)

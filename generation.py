@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine_process import GROUP_TIMEOUT, engine_environment, serve, vllm_dtype
+from engine_process import GROUP_TIMEOUT, LOST_KEY, engine_environment, serve, vllm_dtype
 from batches import merge_batches
 from lora import vllm_weights
 from placement import (alive, default_gen_mem, reference_beside_engine, reference_device, start_reference_server,
@@ -219,14 +219,14 @@ class GenerationProcess:
         return next((i for i, p in enumerate(self.procs) if p.pid is not None and not p.is_alive()), None)
 
     def check_alive(self):
+        # an engine whose vLLM server failed leaves its line in the store before it exits (end_with)
+        if self.store.check([LOST_KEY]):
+            raise SystemExit(self.store.get(LOST_KEY).decode())
         if (i := self._dead_engine()) is not None:
-            # one line: why its vLLM server failed (the line it ended with), or what died and where
-            # (its own traceback, if it had one, is above)
-            served = isinstance(self.devices[i], str)
-            raise SystemExit(served and self._last_words(i) or
-                             f"grpo_train.py: the generation process died (exit code {self.procs[i].exitcode}): "
-                             f"engine {i}, {'server' if served else 'device'} {self.devices[i]}; its "
-                             f"traceback, if it had one, is above")
+            # what died and where (its own traceback, if it had one, is above)
+            raise SystemExit(f"grpo_train.py: the generation process died (exit code {self.procs[i].exitcode}): "
+                             f"engine {i}, {'server' if isinstance(self.devices[i], str) else 'device'} "
+                             f"{self.devices[i]}; its traceback, if it had one, is above")
         if self.ref_server is not None and self.ref_server.poll() is not None:
             raise SystemExit(f"grpo_train.py: the reference server this run started died (exit code "
                              f"{self.ref_server.returncode}); its output is above")
@@ -237,7 +237,7 @@ class GenerationProcess:
             self._landed()
 
     def _engines_live(self):
-        """The push thread's check: an engine's death ends the push (check_alive says its last words)."""
+        """The push thread's check: an engine's death ends the push (check_alive says why)."""
         if (i := self._dead_engine()) is not None:
             raise RuntimeError(f"engine {i} died during a weight push")
 
@@ -248,18 +248,7 @@ class GenerationProcess:
                 msg = self.results[engine].get(timeout=2)
             except queue.Empty:
                 continue
-            if msg["kind"] == "lost":
-                raise SystemExit(msg["why"])
             return msg
-
-    def _last_words(self, engine):
-        """The line a dead engine ended with (engine_process.end_with: its vLLM server failed), or None."""
-        try:
-            while (msg := self.results[engine].get(timeout=1))["kind"] != "lost":
-                pass
-            return msg["why"]
-        except queue.Empty:
-            return None
 
     def _send(self, msg):
         for control in self.controls:

@@ -19,8 +19,11 @@ class EngineClient:
     A push's calls go out without waiting for each other's answers: an engine takes its queue in order, so
     start, update and finish reach it in the order vLLM defines, and it goes from one to the next without
     waiting for rank 0 (rank 0's push runs on a thread beside the training step, which can keep it from
-    answering for a few milliseconds); finish_weight_update collects every answer. Meanwhile `alive()`
-    (GenerationProcess._engines_live) is called every 50 ms: an engine that died never leaves rank 0 waiting."""
+    answering for a few milliseconds); finish_weight_update collects every answer. The one exception is an
+    update that lends the engines a buffer rank 0 refills once the call returns (lends_a_buffer): it
+    returns once every engine has answered it, as vLLM's HTTP and Ray clients do (clients.py). Meanwhile
+    `alive()` (GenerationProcess._engines_live) is called every 50 ms: an engine that died never leaves
+    rank 0 waiting."""
 
     def __init__(self, controls, answers, alive=lambda: None):
         self.controls, self.answers, self.alive = controls, answers, alive
@@ -66,6 +69,8 @@ class EngineClient:
 
     def update_weights(self, update_info):
         self._put("update", update_info)
+        if lends_a_buffer(update_info):
+            self._answered()
 
     def finish_weight_update(self, weight_version=None):
         self._put("finish", extra=self.finish)
@@ -73,6 +78,18 @@ class EngineClient:
             for control in self.controls:
                 control.put(msg)
         self._answered()
+
+
+def lends_a_buffer(update_info):
+    """Whether an update's tensors stay in a buffer of rank 0's that its sender refills once update_weights
+    returns: vLLM's CUDA IPC update info (ipc_engine.py, IPCWeightTransferUpdateInfo.ipc_handles, 0.26 to
+    0.32). Its packed sender puts every chunk into one buffer (packed_tensor.py, packed_ipc_producer: "the
+    consumer has finished reading the buffer before resuming the generator"; 0.32:
+    IPCTrainerWeightTransferEngine._send_packed, 0.26: IPCWeightTransferEngine._send_packed). The engine's
+    answer comes after vLLM's update_weights, which copies the chunk out (packed_ipc_consumer clones it) and
+    synchronises the device (base.py, WeightTransferEngine.update_weights). NCCL's and gloo's one update
+    runs beside a broadcast into the engines' own buffers, which waits for them itself."""
+    return update_info.get("ipc_handles") is not None
 
 
 class Snapshot(WeightSource):

@@ -128,6 +128,13 @@ def no_static_sender(iterator, trainer_args):
     raise NotImplementedError("the gloo engine's trainer side is weight_transfer.GlooTrainerWeightTransferEngine")
 
 
+def worker_rank(parallel_config):
+    """A worker's rank among its server's TP x PP x DP workers (GET /get_world_size), each replica numbering its
+    own from 0 (ParallelConfig.rank): vLLM's NCCL engine's formula (nccl_common.worker_init_process_group,
+    0.26 and 0.32), data-parallel index x TP x PP + rank in the replica."""
+    return parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
+
+
 @dataclass(kw_only=True)
 class GlooInitInfo(WeightTransferInitInfo):
     master_address: str
@@ -154,7 +161,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def init_transfer_engine(self, init_info):
         self.bucket_bytes = init_info.bucket_bytes
-        rank = init_info.rank_offset + self.parallel_config.rank
+        rank = init_info.rank_offset + worker_rank(self.parallel_config)
         self.group = gloo_group(init_info.master_address, init_info.master_port, rank, init_info.world_size)
 
     def start_weight_update(self):
@@ -267,8 +274,7 @@ class StaticSender:
         if self.backend == "ipc":
             # ipc_engine.py, IPCWeightTransferEngine.trainer_send_weights -> _send_packed: each chunk's
             # IPCWeightTransferUpdateInfo goes to send_mode, here the client's update_weights
-            from vllm.distributed.weight_transfer.ipc_engine import (IPCTrainerSendWeightsArgs,
-                                                                     IPCWeightTransferEngine)
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
             send = lambda info: self.client.update_weights(asdict(info))
             IPCWeightTransferEngine.trainer_send_weights(iter(self.source),
                                                          IPCTrainerSendWeightsArgs(send_mode=send, **self.wire))
@@ -350,8 +356,7 @@ def open_transfer(backend, client, source, engines, wait_s=GROUP_TIMEOUT.total_s
     hold, port = held_port(host)
     with hold:
         if backend == "gloo":
-            info = GlooTrainerInitInfo(rank=0, master_address=host, master_port=port,
-                                       world_size=engines + 1)
+            info = GlooTrainerInitInfo(rank=0, master_address=host, master_port=port, world_size=engines + 1)
             return GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
         buffer_bytes = packed_buffer_bytes(source.metadata())
         return vllm_trainer_engine(backend, client, source, engines + 1, buffer_bytes, host, port)
@@ -438,4 +443,7 @@ def apply_transfer(llm, msg, never_pushed):
             raise RuntimeError(f"weight push version {msg['version']} left vLLM parameters unsent or sent in "
                                f"part: {', '.join(missing)}")
         finish_update(llm, msg["version"])
-        llm.reset_prefix_cache()
+        # False while a request holds KV blocks (block_pool.py, reset_prefix_cache, 0.26 to 0.32): the next
+        # batch would reuse KV of the old weights under the new version (ServerLLM raises its own line)
+        if llm.reset_prefix_cache() is False:
+            raise RuntimeError(f"weight push version {msg['version']}: vLLM refused to reset its prefix cache")

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -15,6 +16,7 @@ import time
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 
 from batches import merge_batches
 from conftest import next_port, running
@@ -199,19 +201,18 @@ def test_a_push_asks_at_once_for_the_batches_it_allows():
 
 
 def test_a_server_lost_mid_push_is_said_in_its_own_line_whichever_thread_sees_it_first():
-    """The push's thread, waiting for the engines' answers, notices a dead engine without reading the engine's
-    results, where its last words wait (the line naming its vLLM server): rank 0's own thread says them. Had
-    the push's thread taken them, rank 0 would only know that the generation process died."""
+    """The push's thread, waiting for the engines' answers, notices a dead engine without reading the line it
+    left in the store (naming its vLLM server): rank 0's own thread says it. Had the push's thread taken it,
+    rank 0 would only know that the generation process died."""
     import multiprocessing
-    import queue
+    from engine_process import LOST_KEY
     dead = multiprocessing.get_context("fork").Process(target=lambda: None)
     dead.start()
     dead.join()
-    gen = GenerationProcess.__new__(GenerationProcess)
-    gen.procs, gen.devices, gen.results = [dead], ["http://127.0.0.1:9"], [queue.Queue()]
-    gen.ref_server, gen.launcher = None, None
+    gen = rank_zero_watching(dead)
+    gen.devices = ["http://127.0.0.1:9"]
     line = "grpo_train.py: the vLLM server http://127.0.0.1:9 is gone (GET /health: ConnectionError)"
-    gen.results[0].put({"kind": "lost", "why": line})
+    gen.store.set(LOST_KEY, line)
     with pytest.raises(RuntimeError, match="engine 0 died during a weight push"):
         gen._engines_live()
     with pytest.raises(SystemExit) as said:
@@ -387,7 +388,7 @@ DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 def rank_zero_watching(*engines):
     """Rank 0's handle on these engine processes, as far as watching them goes (no engine started by it)."""
     gen = GenerationProcess.__new__(GenerationProcess)
-    gen.procs, gen.devices = list(engines), [0] * len(engines)
+    gen.procs, gen.devices, gen.store = list(engines), [0] * len(engines), dist.HashStore()
     gen.launcher = gen.transfer = gen.ref_server = None
     return gen
 
@@ -557,3 +558,131 @@ def test_a_short_run_pushes_every_step_into_the_installed_vllm_and_stops_cleanly
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["sync/logp_diff"] < 1e-3 for r in rows), rows
     assert "Traceback" not in out, out[-5000:]
+
+
+def _engine_answering(control, answers, read_s):
+    """An engine's queue loop (engine_process.serve): each call answered once done, an update's chunk taking
+    read_s to read (vLLM's IPC consumer copies it out of rank 0's buffer), until "stop"."""
+    while (msg := control.get())["kind"] == "transfer":
+        time.sleep(read_s if msg["method"] == "update" else 0)
+        answers.put(msg["method"])
+
+
+def ipc_chunk(i):
+    """The update info vLLM's packed IPC sender hands update_weights for chunk i (its own dataclass where its
+    IPC module imports: vLLM 0.26's needs ray)."""
+    from weight_transfer import ipc_engine_importable
+    fields = {"names": [f"chunk{i}.weight"], "dtype_names": ["float32"], "shapes": [[2]],
+              "ipc_handles": {"GPU-0": (i,)}, "tensor_sizes": [8]}
+    if not ipc_engine_importable():
+        return fields
+    from dataclasses import asdict
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+    return asdict(IPCWeightTransferUpdateInfo(**fields))
+
+
+def test_a_chunk_lent_over_cuda_ipc_is_read_by_every_engine_before_the_sender_refills_its_buffer():
+    """vLLM's packed IPC sender puts each chunk into one buffer of rank 0's, which it refills for the next
+    chunk as soon as update_weights returns (packed_tensor.py, packed_ipc_producer): each such call returns
+    only once every engine has answered it, here the slower of two engines, which takes 1 s a chunk. A gloo
+    or NCCL update still returns at once (it runs beside a broadcast that waits itself), its answer collected
+    at the finish. An engine that dies while rank 0 waits for its answer ends the wait in one line."""
+    import multiprocessing
+    from transfer_clients import EngineClient
+    from weight_transfer import update_info
+    ctx = multiprocessing.get_context("spawn")
+    controls, answers = [ctx.Queue(), ctx.Queue()], [ctx.Queue(), ctx.Queue()]
+    engines = [ctx.Process(target=_engine_answering, args=(c, a, s), daemon=True)
+               for c, a, s in zip(controls, answers, (0, 1.0))]
+    for engine in engines:
+        engine.start()
+    try:
+        client = EngineClient(controls, answers, rank_zero_watching(*engines)._engines_live)
+        client.start_weight_update()
+        for i in range(2):
+            t0 = time.monotonic()
+            client.update_weights(ipc_chunk(i))
+            assert time.monotonic() - t0 >= 1.0 and client.unanswered == 0
+        t0 = time.monotonic()
+        client.update_weights(update_info([]))
+        assert time.monotonic() - t0 < 0.5 and client.unanswered == 1
+        client.finish_weight_update()
+        assert client.unanswered == 0 and all(a.empty() for a in answers)
+        engines[1].kill()
+        with pytest.raises(RuntimeError, match="engine 1 died during a weight push"):
+            client.update_weights(ipc_chunk(2))
+    finally:
+        for engine in engines:
+            engine.kill()
+
+
+def _engine_losing_its_server(job, model, control, results, answers):
+    """An engine (engine_process.serve) that drives the vLLM server at job["url"], where none answers, with a
+    batch on its results that rank 0 has not taken (it waits for a push to land): more than a pipe holds."""
+    from engine_process import serve
+    results.put({"kind": "batch", "seqs": b"x" * 2_000_000})
+    serve(None, None, {"model": model}, job, [], [], control, results, answers)
+
+
+def test_an_engine_whose_server_is_lost_while_rank_0_reads_nothing_ends_the_run_in_its_line(tiny_model):
+    """The engine's push fails (its server is gone) while rank 0 reads none of its results, where a batch it
+    has not taken fills the pipe. Rank 0's check says the engine's line naming the server, within seconds,
+    and the engine exits: waiting until rank 0 read everything, it stayed alive, and rank 0 waited for good."""
+    import multiprocessing
+    from placement import tcp_store
+    url = f"http://127.0.0.1:{next_port()}"
+    store = tcp_store("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=60))
+    job = {"index": 0, "engines": 1, "store_port": store.port, "trainer": os.getpid(), "seed": 0, "pos": 0,
+           "per_step": 1, "share": [0], "url": url, "rank_offset": 1, "gen_timeout": 30.0, "ref_step": 0,
+           "ref_url": None, "sync_tol": 0.1}
+    ctx = multiprocessing.get_context("spawn")
+    control, results, answers = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    control.put({"kind": "transfer", "method": "start", "info": None})
+    engine = ctx.Process(target=_engine_losing_its_server, args=(job, tiny_model, control, results, answers),
+                         daemon=True)
+    engine.start()
+    try:
+        gen = rank_zero_watching(engine)
+        gen.devices, gen.store = [url], store
+        deadline = time.monotonic() + 120
+        with pytest.raises(SystemExit) as said:
+            while time.monotonic() < deadline:
+                gen.check_alive()
+                time.sleep(0.05)
+        # the push's call finds it gone, or (5 s after the engine's start) the server's watch thread
+        assert re.fullmatch(re.escape(f"grpo_train.py: the vLLM server {url} is gone (") +
+                            r"(POST /start_weight_update|GET /health): ConnectionError\)", str(said.value.code))
+        engine.join(timeout=30)
+        assert engine.exitcode == 1
+    finally:
+        engine.kill()
+
+
+def test_the_workers_of_a_data_parallel_server_take_distinct_ranks_in_the_weight_group(monkeypatch):
+    """A vLLM server of two data-parallel replicas of two tensor-parallel workers counts four workers (GET
+    /get_world_size), each replica numbering its own 0 and 1 (ParallelConfig.rank). The gloo engine ranks
+    them as vLLM's NCCL engine does (nccl_common.worker_init_process_group): the four and rank 0 open one
+    group of five, where replica 1's workers took replica 0's ranks before."""
+    import weight_transfer
+    from vllm.config import ParallelConfig
+    monkeypatch.setattr(weight_transfer, "GROUP_TIMEOUT", datetime.timedelta(seconds=10))
+    workers = []
+    for replica in (0, 1):
+        for rank in (0, 1):
+            config = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, data_parallel_rank=replica)
+            config.rank = rank
+            worker = weight_transfer.GlooWeightTransferEngine.__new__(weight_transfer.GlooWeightTransferEngine)
+            worker.parallel_config = config
+            workers.append(worker)
+    assert workers[0].parallel_config.world_size_across_dp == 4
+    port = next_port()
+    info = weight_transfer.GlooInitInfo(master_address="127.0.0.1", master_port=port, rank_offset=1,
+                                        world_size=5)
+    joined = [weight_transfer.run_on_thread(w.init_transfer_engine, info) for w in workers]
+    group = weight_transfer.gloo_group("127.0.0.1", port, 0, 5)
+    assert all(j.join(30) for j in joined)
+    assert [w.group.rank() for w in workers] == [1, 2, 3, 4]
+    for w in workers:
+        w.shutdown()
+    group.shutdown()

@@ -888,6 +888,7 @@ def test_an_engine_dead_before_the_first_push_never_blocks_opening_the_weight_gr
     dead.join()
     gen = GenerationProcess.__new__(GenerationProcess)
     gen.procs, gen.devices, gen.launcher, gen.transfer = [dead], [0], None, None
+    gen.store = torch.distributed.HashStore()
     client = EngineClient([ctx.Queue()], [ctx.Queue()])
     t0 = time.time()
     with pytest.raises(SystemExit) as e:

@@ -176,6 +176,23 @@ def test_push_clears_prefix_cache_computed_with_old_weights(setup):
     assert max_logp_diff(model, LONG_PROMPT, sample(llm, LONG_PROMPT)) < 1e-3
 
 
+def test_a_push_whose_prefix_cache_reset_vllm_refuses_fails(setup):
+    """vLLM refuses to reset its prefix cache while a request holds KV blocks (reset_prefix_cache returns
+    False): the next batch could then reuse KV of the old weights under the new version, so the push fails
+    in one line. Once the request is gone, a push resets it."""
+    llm, model = setup
+    weights = perturbed(model, seed=10)
+    llm.llm_engine.add_request("held", TokensPrompt(prompt_token_ids=LONG_PROMPT), vllm.SamplingParams(max_tokens=50))
+    llm.llm_engine.step()   # scheduled: its KV blocks are allocated, and it is not finished
+    try:
+        with pytest.raises(RuntimeError, match="vLLM refused to reset its prefix cache"):
+            llm.push(weights)
+    finally:
+        llm.llm_engine.abort_request(["held"])
+    llm.push(weights)
+    assert max_logp_diff(model, LONG_PROMPT, sample(llm, LONG_PROMPT)) < 1e-3
+
+
 def test_probe_check_catches_a_mismatch_and_a_reload_that_did_nothing(setup):
     """After a push, vLLM's probe log-probs must equal the trainer's; and when a step moves the trainer's
     probe by less than --sync-tol (a small learning rate), a reload that silently did nothing must still be
