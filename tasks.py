@@ -103,7 +103,7 @@ def data_file(data: str, split: str) -> str | None:
 
 
 def utf8(path: str, line: int, raw: bytes) -> str:
-    """raw (line `line` of `path` on) as text, or a DataError naming the line and column of a byte not UTF-8."""
+    """raw (line `line` of `path` on) as text; a DataError naming the line and column of a byte not UTF-8."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -120,7 +120,8 @@ def json_value(path: str, line: int, text: str, what: str):
     except json.JSONDecodeError as e:
         hint = "; a .json file holds one JSON array of records, or one record a line" * (
             what == "a JSON line" and path.endswith(".json"))
-        raise DataError(f"{path}:{line + e.lineno - 1}: not {what} ({e.msg}, column {e.colno}){hint}") from None
+        where = f"{path}:{line + e.lineno - 1}"
+        raise DataError(f"{where}: not {what} ({e.msg}, column {e.colno}){hint}") from None
     # json's limits beyond its syntax: Python's on an integer's digits (a ValueError), and its own stack
     # on values nested in values (100,000 `[`)
     except RecursionError:
@@ -129,10 +130,10 @@ def json_value(path: str, line: int, text: str, what: str):
         raise DataError(f"{path}:{line}: not {what} that can be read ({str(e).split(':')[0]})") from None
 
 
-def no_lone_surrogate(where: str, text: str, value) -> None:
+def no_lone_surrogate(where: str, value) -> None:
     """A JSON escape (\\ud800) can be half of a UTF-16 pair, which is no text (a tokenizer raises TypeError
-    on it): a DataError naming `where` if `value`, read from `text`, holds one."""
-    half = "\\ud" in text.lower() and re.search(r"[\ud800-\udfff]", json.dumps(value, ensure_ascii=False))
+    on it): a DataError naming `where` if `value` holds one (asked where the text read has a "\\ud")."""
+    half = re.search(r"[\ud800-\udfff]", json.dumps(value, ensure_ascii=False))
     if half:
         raise DataError(f"{where}: holds a lone surrogate ({ascii(half[0])}, half of a UTF-16 pair), which is "
                         f"no text")
@@ -160,14 +161,15 @@ def read_records(path: str) -> list[tuple[str, dict]]:
     if path.endswith(".json") and raw.lstrip()[:1] == b"[":
         text = utf8(path, 1, raw)
         out = [(f"{path} row {i}", r) for i, r in enumerate(json_value(path, 1, text, "JSON"), 1)]
-        for where, r in out:
-            no_lone_surrogate(where, text, r)
+        for where, r in out if "\\ud" in text.lower() else ():
+            no_lone_surrogate(where, r)
         return out
     out = []
     for i, line in enumerate(raw.split(b"\n"), 1):
         if (text := utf8(path, i, line)).strip():
             out.append((f"{path}:{i}", json_value(path, i, text, "a JSON line")))
-            no_lone_surrogate(f"{path}:{i}", text, out[-1][1])
+            if "\\ud" in text.lower():
+                no_lone_surrogate(f"{path}:{i}", out[-1][1])
     return out
 
 
@@ -224,7 +226,7 @@ def countdown_problems(n: int, seed: int, exclude=frozenset()) -> list[dict]:
 
 def countdown_record(where: str, r) -> dict:
     """r if it has "numbers" (a list of integers of 0 or more: rewards.countdown_numbers) and an integer
-    "target", else a DataError naming `where`: a malformed problem would otherwise score 0 forever, silently."""
+    "target", else a DataError naming `where`: a malformed problem would score 0 forever, silently."""
     # not bool, not float: the reward compares exact integers
     if not (isinstance(r, dict) and rewards.countdown_numbers(r.get("numbers"))
             and type(r.get("target")) is int):

@@ -350,6 +350,7 @@ def test_a_name_that_is_no_file_a_lone_surrogate_or_a_test_it_cannot_judge_is_on
     os.symlink(tmp_path / "moved" / "train.jsonl", "mydata")
     write_jsonl(tmp_path / "surrogate.jsonl", [{"prompt": "a", "answer": "x"}, {"prompt": "b\ud800", "answer": "y"}])
     write_jsonl(tmp_path / "tests.jsonl", [{"prompt": "p", "answer": "", "tests": ["assert sorted([2, 1]) == [1]"]}])
+    (tmp_path / "surrogate.json").write_text('[{"prompt": "a", "answer": "x"}, {"prompt": "b\\ud800", "answer": "y"}]')
     for data, line in [("mydata", f"--data mydata: a broken symbolic link (to {tmp_path}/moved/train.jsonl)"),
                        # the network error's name is the HTTP library's
                        ("otherdata", "--data otherdata: no such file or folder, and the hub cannot be reached to "
@@ -357,6 +358,8 @@ def test_a_name_that_is_no_file_a_lone_surrogate_or_a_test_it_cannot_judge_is_on
                                      "datasets' cache"),
                        ("surrogate.jsonl", r"surrogate.jsonl:2: holds a lone surrogate ('\ud800', half of a UTF-16 "
                                            "pair), which is no text"),
+                       ("surrogate.json", r"surrogate.json row 2: holds a lone surrogate ('\ud800', half of a "
+                                          "UTF-16 pair), which is no text"),
                        ("tests.jsonl", "tests.jsonl:1: the 'tests' column: it names nothing of the completion's")]:
         with pytest.raises(SystemExit) as stop:
             load_prompts(data)
