@@ -275,9 +275,12 @@ def test_a_gpu_engine_without_flashinfer_is_spawned_with_vllms_flashinfer_sample
     assert "VLLM_USE_FLASHINFER_SAMPLER" not in engine_environment("0", 1, 1, cpu=False)
 
 
-def test_engine_and_server_flags(capsys):
+def test_engine_and_server_flags(capsys, monkeypatch):
+    import run_setup
     from grpo_train import get_args
     from run_setup import check_config
+    # a machine with the GPUs named here, whatever this one has (the GPU check runs on one)
+    monkeypatch.setattr(run_setup, "machine_gpus", lambda: 8)
     args = get_args(["--model", "m/m", "--gen-devices", "2,0", "--ref-url", "http://a:1, http://b:2/"])
     assert args.gen_devices == [2, 0] and server_urls(args.ref_url) == ["http://a:1", "http://b:2"]
     check_config(1, **vars(args))

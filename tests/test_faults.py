@@ -803,7 +803,10 @@ def test_gen_mem_is_checked_against_what_shares_the_engines_gpu(capsys, monkeypa
     import torch
     from grpo_train import get_args
     from run_setup import check_config
+    import run_setup
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # a machine with the GPUs named here, whatever this one has (the GPU check runs on one)
+    monkeypatch.setattr(run_setup, "machine_gpus", lambda: 8)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     for flags, said in ((["--gen-device", "0"], "a vLLM engine on a training GPU may take at most 0.5 of it"),
                         (["--gen-device", "1"], "the reference server this run starts shares a GPU with a vLLM "
