@@ -49,7 +49,8 @@ def hold_out_dir(out_dir):
     # a file of that name (makedirs' FileExistsError), a parent that is a file, a place with no write
     # permission or none at all (/proc/nope)
     except OSError as e:
-        why = "a file is there" if isinstance(e, FileExistsError) else f"{e.filename}: {e.strerror}"
+        why = (f"a broken symbolic link, to {os.readlink(out_dir)}" if os.path.islink(out_dir) else
+               "a file is there" if isinstance(e, FileExistsError) else f"{e.filename}: {e.strerror}")
         stop_with(f"--out-dir {out_dir}: cannot make that folder ({why}): pass another --out-dir")
     # a folder that is there but not this user's to write in: the first save would fail, steps later
     if not os.access(out_dir, os.W_OK | os.X_OK):

@@ -261,14 +261,12 @@ def numbers(log):
 
 
 class MetricsLog:
-    """What rank 0 writes as a run goes: metrics.jsonl (one JSON object per step, with time/elapsed_s), the
-    resolved flags (config.yaml, which --config repeats), the progress line (Progress, with NoSignalWatch's
-    warning), the plot metrics.png (plot.py) at the end and at each evaluation a minute or more after the last
-    drawing, tensorboard and W&B if asked, completions.jsonl and eval_completions.jsonl (--log-completions),
-    and the closing line. On resume the files keep the steps up to the checkpoint, and the evaluations of them
-    (evaluate_first: whether the run evaluates its starting weights). The metrics file has one line per step,
-    and one per evaluation that arrived with a later one or after the last line (a stopped run). --eval-only
-    writes eval.json and eval_outputs.jsonl, beside the checkpoint (run_config.evaluate_as_trained)."""
+    """What rank 0 writes as a run goes: metrics.jsonl (a line per step, and per evaluation that arrived with
+    a later one or after the last line), config.yaml (which --config repeats), the progress line, the plot
+    metrics.png (plot.py: at the end, and at an evaluation a minute or more after the last), tensorboard and
+    W&B if asked, completions.jsonl and eval_completions.jsonl (--log-completions), and the closing line. A
+    resumed run's files keep the steps up to its checkpoint and their evaluations (evaluate_first: whether it
+    evaluates its starting weights). --eval-only writes eval.json and eval_outputs.jsonl instead."""
     # a drawing holds rank 0's loop 0.4 s (the first 0.9 s, importing matplotlib): drawn at every
     # evaluation of the demo (one in 10 steps of ~0.1 s) it was a fifth of the training time
     plot_every_s = 60.0
@@ -313,7 +311,7 @@ class MetricsLog:
         # at the first row, not at start-up: the checkpoint has loaded, vLLM has started and a step has
         # trained, so a new run that stops before (a typo in --data, a model that does not load) leaves
         # the old run whole; and before the new run's first checkpoint, which would sit beside the old's
-        if self.flags.get("overwrite") and not self.flags.get("resume"):
+        if self.flags.get("overwrite") and not self.resume_step:
             clear_run(self.out_dir)
         # the old run's config.yaml too stays until here: --eval-only of its older checkpoints reads it
         self.save_config(self.resolved)
@@ -321,15 +319,18 @@ class MetricsLog:
         for name, key in (("completions.jsonl", "step"), ("eval_completions.jsonl", "eval/step")):
             keep_rows(os.path.join(self.out_dir, name), key, self.resume_step)
         path = os.path.join(self.out_dir, "metrics.jsonl")
-        kept = keep_rows(path, "step", self.resume_step, carry_evals=True)
-        self.evals += [(row["eval/step"], row["eval/accuracy"]) for row in kept if "eval/step" in row]
+        kept, carried = keep_rows(path, "step", self.resume_step, carry_evals=True)
+        self.evals += [(row["eval/step"], row["eval/accuracy"]) for row in kept + carried if "eval/step" in row]
         self.file = open(path, "a")
-        # a resumed run's clock and tensorboard's charts go on from its checkpoint: tensorboard hides the
-        # old run's points after it (purge_step), and all of a run --overwrite replaces
+        # a resumed run's clock and charts go on from its checkpoint's line: tensorboard hides the old run's
+        # points after it (purge_step; all, for a new run), the evaluations carried back to it drawn again
         self.t_start -= kept[-1].get("time/elapsed_s", 0) if kept else 0
         if self.resolved["tensorboard"]:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(self.out_dir, purge_step=self.resume_step + 1)
+            for row in carried:
+                for k, v in numbers(row).items():
+                    self.tb.add_scalar(k, v, row["step"])
 
     def save_config(self, flags):
         """config.yaml: every flag of the run as resolved (command line over --config over the defaults), in

@@ -40,13 +40,13 @@ def json_rows(path):
 
 def keep_rows(path, key, last_step, carry_evals=False):
     """A run's JSON-lines file cut to its rows whose `key` is at most last_step (none for a new run, at
-    last_step 0), replaced by a rename, so a kill meanwhile leaves the old file -> the rows kept. A line that
-    is not JSON (the torn last line of a killed run), or no row with a step, is dropped. carry_evals
-    (metrics.jsonl): an evaluation of a step up to last_step that arrived on a later row stays, as a line of
-    its own at last_step (its eval/* keys and time), as eval_completions.jsonl keeps its outputs. No file:
-    nothing is written."""
+    last_step 0), replaced by a rename, so a kill meanwhile leaves the old file -> (rows kept, carried). A
+    line that is not JSON (the torn last line of a killed run), or no row with a step, is dropped.
+    carry_evals (metrics.jsonl): an evaluation of a step up to last_step that arrived on a later row stays
+    (carried), as a line of its own at last_step (its eval/* keys and time), as eval_completions.jsonl keeps
+    its outputs. No file: nothing is written."""
     if not os.path.exists(path):
-        return []
+        return [], []
     kept, carried = [], []
     # a new run keeps no row: its old file is not read
     for line, row in json_rows(path) if last_step else ():
@@ -62,7 +62,7 @@ def keep_rows(path, key, last_step, carry_evals=False):
     with open(path + ".tmp", "w") as f:
         f.writelines(line for line, _ in kept + carried)
     os.replace(path + ".tmp", path)
-    return [row for _, row in kept + carried]
+    return [row for _, row in kept], [row for _, row in carried]
 
 
 def evaluates_first(out_dir, step, eval_every):

@@ -208,7 +208,9 @@ def test_an_out_dir_that_cannot_be_a_folder_is_one_line(tmp_path, capsys):
     """An --out-dir that is a file, lies under a file, or cannot be made (/proc/nope) was a traceback from
     os.makedirs; each is one line naming --out-dir and why, before anything starts."""
     (tmp_path / "file").write_text("x")
+    (tmp_path / "unmounted").symlink_to(tmp_path / "scratch" / "runs")
     for out_dir, why in [(tmp_path / "file", "a file is there"),
+                         (tmp_path / "unmounted", f"a broken symbolic link, to {tmp_path / 'scratch' / 'runs'}"),
                          (tmp_path / "file" / "run", f"{tmp_path / 'file' / 'run'}: Not a directory"),
                          ("/proc/nope", "/proc/nope: No such file or directory")]:
         line = refusal(capsys, out_dir)
@@ -236,6 +238,13 @@ def test_a_resume_into_checkpoints_that_no_latest_names_is_refused(tmp_path, cap
                     f"{tmp_path / 'run' / 'latest'}), or start afresh with --overwrite"), line
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
     assert refusal(capsys, tmp_path / "run", "--lr", "3e-4", "--resume", "--overwrite") is None
+    # which starts afresh: at its first row, the old checkpoints go, as with --overwrite alone (they stayed)
+    import shutil
+    from metrics import MetricsLog
+    shutil.copytree(tmp_path / "run", tmp_path / "again")
+    argv = ("--lr", "3e-4", "--resume", "--overwrite")
+    MetricsLog(0, **{**flags(*argv), "out_dir": str(tmp_path / "again")}).write({"step": 1, **ROW})
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == ["config.yaml", "metrics.jsonl"]
     # nor does a new run take them over (its saves pruned or replaced them) unless --overwrite
     (tmp_path / "run" / "metrics.jsonl").unlink()
     line = refusal(capsys, tmp_path / "run", "--lr", "3e-4")
@@ -561,7 +570,9 @@ def test_a_resumed_runs_clock_and_tensorboard_charts_go_on_from_its_checkpoint(t
     argv = ("--steps", "41", "--tensorboard")
     old = MetricsLog(0, **{**flags(*argv), "out_dir": str(tmp_path)})
     for step in range(1, 42):
-        old.write({"step": step, **ROW})
+        # the evaluation of step 10 arrives on step 12's line: carried back to step 10, and drawn there
+        scored = {"eval/accuracy": 0.5, "eval/format": 1.0, "eval/step": 10} if step == 12 else {}
+        old.write({"step": step, **ROW, **scored})
     old.tb.close()
     old.file.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -578,6 +589,7 @@ def test_a_resumed_runs_clock_and_tensorboard_charts_go_on_from_its_checkpoint(t
     loss = events.Scalars("loss")
     assert [e.step for e in loss] == list(range(1, 12))
     assert [e.value for e in loss] == pytest.approx([0.1] * 10 + [7.0])
+    assert [(e.step, e.value) for e in events.Scalars("eval/accuracy")] == [(10, 0.5)]
 
 
 def test_a_resume_keeps_the_evaluations_of_its_steps_that_arrived_on_later_rows(tmp_path, capsys):
