@@ -467,6 +467,16 @@ def is_jail_interpreter(process):
     return False
 
 
+def outlive_the_trainer(trainer, jail):
+    """The trainer killed outright (SIGKILL) -> the pids of `jail` (psutil processes) still running 10 s on."""
+    trainer.kill()
+    trainer.wait()
+    deadline = time.monotonic() + 10
+    while any(map(running, jail)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p.pid for p in jail if running(p)]
+
+
 def test_the_jail_dies_with_the_trainer():
     """A trainer killed outright (SIGKILL, the OOM killer) cleans nothing up, so its jails must end with it.
     As root they did not: the jail's bwrap and the completion kept running, for as long as the completion
@@ -479,12 +489,7 @@ def test_the_jail_dies_with_the_trainer():
             assert trainer.poll() is None and time.monotonic() < deadline, "the jail did not start"
             jail = psutil.Process(trainer.pid).children(recursive=True)
             time.sleep(0.05)
-        trainer.kill()
-        trainer.wait()
-        deadline = time.monotonic() + 10
-        while any(map(running, jail)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [p.pid for p in jail if running(p)], "the jail outlived the trainer"
+        assert not outlive_the_trainer(trainer, jail), "the jail outlived the trainer"
     finally:
         trainer.kill()
         trainer.wait()
@@ -1054,12 +1059,7 @@ def test_a_jail_dies_with_a_trainer_not_root():
                 assert trainer.poll() is None and time.monotonic() < deadline, "the jail did not start"
                 jail = [p for p in psutil.process_iter(["name"]) if p.info["name"] == name]
                 time.sleep(0.05)
-            trainer.kill()
-            trainer.wait()
-            deadline = time.monotonic() + 10
-            while any(map(running, jail)) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert not [p.pid for p in jail if running(p)], "the completion outlived the trainer"
+            assert not outlive_the_trainer(trainer, jail), "the completion outlived the trainer"
     finally:
         if trainer is not None:
             trainer.kill()
