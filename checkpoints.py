@@ -323,7 +323,7 @@ class StopAfterStep:
     terminate_process_tree), killing what is left of them 30 s later; a terminal's Ctrl-C also reaches each
     process as SIGINT, and a SIGTERM sent to the launch's whole process group (a job scheduler) reaches each
     rank too. So a rank may get SIGTERM twice for one stop, up to 30 s apart: SIGTERM only ever asks. Rank 0
-    makes the stop (it takes no more batches). The engines ignore SIGINT (run_setup.init_distributed) but
+    makes the stop (it takes no more batches). The engines ignore SIGINT (ranks.init_distributed) but
     die of the launcher's SIGTERM: once stopping, rank 0 waits for none of them (`wait`). Built on every rank
     before the loop (the launcher is alive then). Another rank passes its first request on to rank 0, as
     SIGTERM, where rank 0 runs beside it (ask_rank_zero); one that rank 0 got too is asked once all the same."""

@@ -1,28 +1,23 @@
-"""What a GRPO run needs that is not the algorithm: the system flags, process start-up, configuration
-checks, the model and DeepSpeed engine, the prompts, and how the ranks share a batch. grpo_train.py uses
-it; read that first. A user's mistake (a flag, the data) stops the run with one line (stop_with); a
+"""What a GRPO run needs that is not the algorithm: the system flags, configuration checks, the model and
+DeepSpeed engine, and the prompts (ranks.py: joining and leaving the ranks' process group). grpo_train.py
+uses it; read that first. A user's mistake (a flag, the data) stops the run with one line (stop_with); a
 traceback means a bug."""
 import argparse
-import datetime
-import gc
 import json
-import os
 import random
-import signal
-import sys
 
 import deepspeed
 import torch
 import torch.distributed as dist
 import transformers
-from deepspeed.accelerator import get_accelerator
-from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engine_process import import_vllm
 from lora import adapter_targets, merged_weight
-from placement import (REF_GEN_MEM, SHARED_GEN_MEM, first_rank, free_port, machine_gpus, master_store, missing_gpu,
-                       reference_beside_engine, reference_device, stop_with, training_gpus)
+from placement import (REF_GEN_MEM, SHARED_GEN_MEM, first_rank, machine_gpus, missing_gpu, reference_beside_engine,
+                       reference_device, stop_with, training_gpus)
+# grpo_train.py joins and leaves the ranks' process group with ranks.init_distributed and shut_down
+from ranks import init_distributed, shut_down  # noqa: F401
 from rewards import parse_reward_spec
 # grpo_train.get_args parses its flags with run_config.parse_flags (--config, one-line checks)
 from run_config import (DEFAULT_EVAL_SIZE, add_run_args, at_least_one, ds_config_error,  # noqa: F401
@@ -104,66 +99,6 @@ def add_system_args(p):
     add_run_args(p)
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return p
-
-
-def exit_on_sigterm(signum, frame):
-    """Until the loop, SIGTERM ends a rank: raising runs exit handlers, which stop the generation process.
-    Once: deepspeed's launcher passes on to each rank a SIGTERM that its whole process group got, and a
-    second raise would break into those handlers (a handler that does nothing, not SIG_IGN, which a child
-    started meanwhile would inherit)."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    sys.exit(128 + signum)
-
-
-def init_distributed(timeout_minutes, threads):
-    """-> (rank, world size). One GPU per rank; until the loop (checkpoints.StopAfterStep), SIGTERM ends a
-    rank and SIGINT is left to the launcher; `threads` torch threads, since the CPU is shared with vLLM and
-    the reference server. A taken --master_port is one line."""
-    # without the launcher DeepSpeed looks for MPI instead, and fails on a missing mpi4py
-    if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
-        stop_with("start it through the deepspeed launcher, which starts its processes: deepspeed "
-                  "--num_gpus 1 grpo_train.py --model ... (docs: README.md)")
-    if torch.cuda.is_available():   # before any collective
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    # DeepSpeed builds CPU Adam (ds_config_offload.json) where TORCH_EXTENSIONS_DIR says, else in ~/.cache: a
-    # launch by hand from the venv then rebuilt what `make` had built in the venv; the venv's folder, as the
-    # Makefile's
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
-    skip_shm_allreduce_op()
-    # until the loop takes Ctrl-C (checkpoints.StopAfterStep), a rank and the processes it starts (the
-    # engines, the reference server: they inherit it) ignore a terminal's SIGINT: the launcher stops them
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # the launcher's default port on one node: a port of this launch's own, the same for each of its ranks
-    # (the children of one launch.py), so that two runs on one machine do not both take 29500
-    if os.environ["MASTER_PORT"] == str(TORCH_DISTRIBUTED_DEFAULT_PORT) and os.environ.get("CROSS_SIZE") == "1":
-        os.environ["MASTER_PORT"] = str(TORCH_DISTRIBUTED_DEFAULT_PORT + 1 + os.getppid() % 2000)
-    # rank 0's rendezvous listens on MASTER_ADDR alone, not on every interface as torch's own would
-    rendezvous = master_store(datetime.timedelta(minutes=timeout_minutes))
-    try:
-        deepspeed.init_distributed(timeout=datetime.timedelta(minutes=timeout_minutes))
-    except dist.DistNetworkError as e:
-        if "EADDRINUSE" not in str(e):
-            raise
-        stop_with(f"port {os.environ['MASTER_PORT']} on {os.environ['MASTER_ADDR']}, where the ranks meet, is "
-                  f"taken (another run on this machine?): give this run another with the launcher's "
-                  f"--master_port, e.g. deepspeed --master_port {free_port()} ...")
-    del rendezvous
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
-    torch.set_num_threads(threads)
-    return dist.get_rank(), dist.get_world_size()
-
-
-def skip_shm_allreduce_op():
-    """On CPU, DeepSpeed 0.19.8's init_distributed JIT-compiles a shared-memory all-reduce op (about a minute,
-    once per venv) and maps a 66 MB buffer per rank in /dev/shm that it never removes. Only its tensor-parallel
-    inference layers call that op (dist.inference_all_reduce); ZeRO's training collectives go through
-    torch.distributed (deepspeed/comm/torch.py: TorchBackend.all_reduce). Marked unusable in the table of
-    compatible ops, which DeepSpeed fills once per process and keeps, build_shm_op returns None: nothing is
-    built, loaded or mapped (on gloo, the CPU backend here; with oneccl_bindings_for_pytorch installed,
-    DeepSpeed's ccl backend would map buffers of its own). A GPU's accelerator has no such op, and
-    build_shm_op stops before that table: so does this, so as not to fill it there (a probe of every op)."""
-    if get_accelerator().create_op_builder("ShareMemCommBuilder") is not None:
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_batch, steps, num_iterations,
@@ -438,15 +373,3 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
                                          f"--max-prompt-len skipped), ")
         print(f"grpo_train.py: {source}: {training}{len(eval_set)} held out for evaluation{note}", flush=True)
     return train_set, eval_set, too_long
-
-
-def shut_down(generation_process, stopping):
-    """The end of a run (`stopping`: after a Ctrl-C): rank 0 stops the generation process; every rank leaves
-    the process group."""
-    if generation_process is not None:
-        generation_process.stop(stopping)
-    dist.barrier()
-    dist.destroy_process_group()
-    # the interpreter's last garbage collection walks the whole heap (torch, DeepSpeed, transformers) only
-    # to free it at exit: 1.5 s of every launch's end on CPU; frozen objects are left to the exit itself
-    gc.freeze()

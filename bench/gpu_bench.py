@@ -99,7 +99,8 @@ def train(a, path):
     import deepspeed
     import torch
     from grpo_train import completion_logps, grpo_loss
-    from run_setup import build_engine, load_policy, skip_shm_allreduce_op
+    from ranks import skip_shm_allreduce_op
+    from run_setup import build_engine, load_policy
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
     skip_shm_allreduce_op()

@@ -52,7 +52,8 @@ def alone(a, extra, out):
     from transfer_clients import push_in_process
     from weight_transfer import register_gloo
     from batches import micro_batches
-    from run_setup import build_engine, init_distributed, load_policy, load_prompts
+    from ranks import init_distributed
+    from run_setup import build_engine, load_policy, load_prompts
     from tasks import shuffled_forever
     args = gt.get_args(["--model", a.model, "--out-dir", out, "--steps", str(a.steps), *TRAIN_FLAGS, *extra])
     # vLLM first: it sets up a one-process torch.distributed group, which DeepSpeed then finds and uses

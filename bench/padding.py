@@ -25,7 +25,8 @@ import os
 import random
 
 from _common import ROOT, print_table
-from tasks import chat_prompt, data_file, read_records
+from data_files import data_file, read_records
+from tasks import chat_prompt
 
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data", "gsm8k")
 

@@ -78,7 +78,7 @@ def running(process):
 
 def no_allreduce_buffer_left(port):
     """No DeepSpeed CPU all-reduce buffer (one per rank in /dev/shm, named after the launch's port) is there:
-    the trainer does not build the op that makes them (run_setup.skip_shm_allreduce_op)."""
+    the trainer does not build the op that makes them (ranks.skip_shm_allreduce_op)."""
     return not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
 
 

@@ -22,7 +22,8 @@ os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0
 import deepspeed, torch
 from safetensors.torch import save_file
 from checkpoints import load_checkpoint, read_state, save_checkpoint
-from run_setup import build_engine, load_policy, skip_shm_allreduce_op
+from ranks import skip_shm_allreduce_op
+from run_setup import build_engine, load_policy
 
 skip_shm_allreduce_op()
 deepspeed.init_distributed()
@@ -434,7 +435,8 @@ base, out, port = sys.argv[1:]
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 import deepspeed
 from checkpoints import load_checkpoint, save_checkpoint
-from run_setup import build_engine, load_policy, skip_shm_allreduce_op
+from ranks import skip_shm_allreduce_op
+from run_setup import build_engine, load_policy
 
 skip_shm_allreduce_op()
 deepspeed.init_distributed()

@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from conftest import ROOT
-from metrics import FIRST_STEP_GAP, FIRST_STEP_KL, MetricsLog, NoSignalWatch, Progress, first_step_check
+from metrics import FIRST_STEP_GAP, FIRST_STEP_KL, MetricsLog, NoSignalWatch, first_step_check
+from progress import Progress
 
 # the self-check's line, as first_step_check begins it
 WARNING = "self-check at step 1 failed:"
@@ -118,7 +119,7 @@ def test_progress_shows_step_total_elapsed_and_eta_and_spares_a_log_file():
 # launcher's session, so no SIGHUP reaches it): it waits for the hang-up, then writes a line and a warning
 AFTER_THE_TERMINAL = """
 import os, sys, time
-from metrics import Progress
+from progress import Progress
 progress = Progress(1, 10)
 progress.show(1, "step 1", keep=True)
 deadline = time.time() + 60

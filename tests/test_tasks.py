@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+import data_files
 import rewards
 import tasks
 from demo.tiny_model import build_tokenizer
@@ -493,7 +494,7 @@ def test_json_that_python_stops_at_and_a_file_that_cannot_be_read_are_one_line(t
     # root reads any file: the refusal an unreadable file gets elsewhere
     def refused(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", path)
-    monkeypatch.setattr(tasks, "open", refused, raising=False)
+    monkeypatch.setattr(data_files, "open", refused, raising=False)
     with pytest.raises(tasks.DataError, match=r"locked.jsonl: cannot be read \(Permission denied\)$"):
         tasks.load_task("custom", "train", data=str(tmp_path / "locked.jsonl"), tokenizer=TOK)
 
