@@ -91,7 +91,7 @@ def holds_run(out_dir):
             return f"its checkpoint {f.read().strip()}"
     # latest lost: the new run would prune or save over them
     if kept := checkpoint_folders(out_dir):
-        return f"its checkpoints {', '.join(kept) if len(kept) < 4 else f'{kept[0]} to {kept[-1]}'}"
+        return f"its checkpoints {listed(kept)}"
     if os.path.exists(metrics) and os.path.getsize(metrics):
         return "its metrics.jsonl"
     return None
@@ -145,10 +145,9 @@ def read_state(master, *, out_dir, resume, steps, overwrite=False, resume_with_c
         # step_N folders without latest (lost, or deleted by hand): a fresh run would empty the metrics
         # at its first row and prune or replace those checkpoints at its saves
         if not overwrite and (kept := checkpoint_folders(out_dir)):
-            shown = ", ".join(kept) if len(kept) < 4 else f"{len(kept)} of them, {kept[0]} to {kept[-1]}"
-            stop_with(f"--resume: {out_dir} holds checkpoints ({shown}) but no file latest naming the one to "
-                      f"resume: write its name into it (the newest: echo {kept[-1]} > {latest}), or start "
-                      f"afresh with --overwrite")
+            stop_with(f"--resume: {out_dir} holds checkpoints ({listed(kept)}) but no file latest naming the "
+                      f"one to resume: write its name into it (the newest: echo {kept[-1]} > {latest}), or "
+                      f"start afresh with --overwrite")
         if master:
             print(f"--resume: no checkpoint in {out_dir}, starting from --model", flush=True)
         return state
@@ -173,6 +172,11 @@ def read_state(master, *, out_dir, resume, steps, overwrite=False, resume_with_c
         print(f"resuming after step {state['step']} from {path}"
               + (f" with {', '.join(changes)}" if changes else ""), flush=True)
     return state
+
+
+def listed(folders):
+    """Checkpoint folders in a line: "step_10, step_20", or from 4 on "4 of them, step_10 to step_40"."""
+    return ", ".join(folders) if len(folders) < 4 else f"{len(folders)} of them, {folders[0]} to {folders[-1]}"
 
 
 def checkpoint_folders(out_dir):
