@@ -264,8 +264,7 @@ class MetricsLog:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(self.out_dir, purge_step=self.resume_step + 1)
             for row in carried:
-                for k, v in numbers(row).items():
-                    self.tb.add_scalar(k, v, row["step"])
+                self.chart(row)
 
     def save_config(self, flags):
         """config.yaml: every flag of the run as resolved (command line over --config over the defaults), in
@@ -315,10 +314,14 @@ class MetricsLog:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.tb:
-            for k, v in numbers(row).items():
-                self.tb.add_scalar(k, v, row["step"])
+            self.chart(row)
         if self.wandb:
             self.wandb.log(numbers(row))
+
+    def chart(self, row):
+        """A row's numbers in tensorboard, at its step."""
+        for k, v in numbers(row).items():
+            self.tb.add_scalar(k, v, row["step"])
 
     def took_eval(self, row, outputs):
         """An evaluation's share of the log: the closing line's before -> after, its held-out outputs
