@@ -184,8 +184,9 @@ def test_an_out_dir_is_emptied_only_where_a_bench_script_made_it(tmp_path):
 
 def test_bench_flags_that_cannot_work_are_one_line_before_anything_runs(tmp_path):
     """A model gpu_bench.py has no config for (a KeyError after the models before it had run), no
-    reference server or no training GPU in the step model and the memory table
-    (ZeroDivisionError)."""
+    reference server or no training GPU in the step model and the memory table (ZeroDivisionError),
+    and trl_compare.py's --micro-batches, --size and --baseline, said before the TRL venv's
+    install."""
     assert refusal("bench/gpu_bench.py", "--models", "qwen2.5-0.5b,qwen2.5-7b") == (
         "gpu_bench: --models qwen2.5-0.5b,qwen2.5-7b: no config named qwen2.5-7b (known: "
         "qwen2.5-0.5b, qwen2.5-1.5b, tiny)")
@@ -193,6 +194,36 @@ def test_bench_flags_that_cannot_work_are_one_line_before_anything_runs(tmp_path
         "step_model.py: --ref-servers 0: the model needs 1 or more"
     assert refusal("bench/memory_table.py", "--gpus", "0", "2") == \
         "memory_table.py: --gpus 0 2: each must be 1 or more"
+    out = tmp_path / "trl_compare"
+    divide = "must divide a step's 128 completions"
+    for flags, said in ((["--micro-batches", "0"], f"--micro-batches 0: {divide}"),
+                        (["--micro-batches", "3"], f"--micro-batches 3: {divide}"),
+                        (["--size", "foo"], "--size foo: 'demo', or HIDDENxLAYERS"),
+                        (["--size", "100x2"], "--size 100x2: 'demo', or HIDDENxLAYERS")):
+        said_now = refusal("bench/trl_compare.py", "--out-dir", str(out), *flags)
+        assert said_now.startswith(f"trl_compare.py: {said}"), said_now
+    assert not out.exists()
+    sys.path.insert(0, BENCH)
+    from trl_compare import export_commit
+    with pytest.raises(SystemExit, match=r"--baseline no-such-commit: not a commit here \(git: "):
+        export_commit("no-such-commit", str(tmp_path / "baseline"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_trl_compare_time_to_target_counts_the_runs_that_missed_it():
+    """The median row's time to the target: a run that never reached it counts as later than any
+    that did, so there is a median only where more than half the runs reached it (it was the median
+    of those that did); a run with no evaluation (TRL at --eval-every 0) has no accuracy, where its
+    row was an IndexError."""
+    sys.path.insert(0, BENCH)
+    from trl_compare import last_accuracy, median_time_to
+    assert median_time_to([3.0, 1.0, 2.0]) == 2.0
+    assert median_time_to([3.0, None, 1.0]) == 3.0
+    assert median_time_to([1.0, None, None]) is None
+    assert median_time_to([1.0, 2.0, None, 4.0]) == 3.0
+    assert median_time_to([1.0, 2.0, None, None]) is None
+    assert last_accuracy({"evals": []}) is None
+    assert last_accuracy({"evals": [{"eval/accuracy": 0.1}, {"eval/accuracy": 0.5}]}) == 0.5
 
 
 def test_overlap_report_on_a_metrics_file_it_cannot_read_is_one_line(tmp_path):
