@@ -5,6 +5,7 @@ and every bench and tools script's --help, printed before torch is imported."""
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 
@@ -152,8 +153,9 @@ def test_an_out_dir_is_emptied_only_where_a_bench_script_made_it(tmp_path):
     """overhead.py, profile_step.py and gpu_check.py start afresh in their --out-dir: they empty a
     folder one of them made, and refuse any other that holds files (`--out-dir .` was `rm -rf` of
     the repository), a file, and a folder holding the --model the run reads."""
-    sys.path.insert(0, BENCH)
-    from _common import fresh_out_dir
+    # run, not imported: a later test's import of _common must still put the root before bench/,
+    # whose generation.py would hide the trainer's
+    fresh_out_dir = runpy.run_path(os.path.join(BENCH, "_common.py"))["fresh_out_dir"]
     out = tmp_path / "out"
     assert fresh_out_dir(str(out), "bench") == str(out)
     (out / "old.log").write_text("a previous run's")
@@ -182,7 +184,7 @@ def test_an_out_dir_is_emptied_only_where_a_bench_script_made_it(tmp_path):
     assert os.listdir(tmp_path / "runs") == ["notes.txt"]
 
 
-def test_bench_flags_that_cannot_work_are_one_line_before_anything_runs(tmp_path):
+def test_bench_flags_that_cannot_work_are_one_line_before_anything_runs(tmp_path, monkeypatch):
     """A model gpu_bench.py has no config for (a KeyError after the models before it had run), no
     reference server or no training GPU in the step model and the memory table (ZeroDivisionError),
     and trl_compare.py's --micro-batches, --size and --baseline, said before the TRL venv's
@@ -203,19 +205,21 @@ def test_bench_flags_that_cannot_work_are_one_line_before_anything_runs(tmp_path
         said_now = refusal("bench/trl_compare.py", "--out-dir", str(out), *flags)
         assert said_now.startswith(f"trl_compare.py: {said}"), said_now
     assert not out.exists()
-    sys.path.insert(0, BENCH)
+    # in front for this test alone: bench/generation.py would hide the trainer's in later tests
+    monkeypatch.syspath_prepend(BENCH)
     from trl_compare import export_commit
     with pytest.raises(SystemExit, match=r"--baseline no-such-commit: not a commit here \(git: "):
         export_commit("no-such-commit", str(tmp_path / "baseline"))
     assert os.listdir(tmp_path) == []
 
 
-def test_trl_compare_time_to_target_counts_the_runs_that_missed_it():
+def test_trl_compare_time_to_target_counts_the_runs_that_missed_it(monkeypatch):
     """The median row's time to the target: a run that never reached it counts as later than any
     that did, so there is a median only where more than half the runs reached it (it was the median
     of those that did); a run with no evaluation (TRL at --eval-every 0) has no accuracy, where its
     row was an IndexError."""
-    sys.path.insert(0, BENCH)
+    # in front for this test alone: bench/generation.py would hide the trainer's in later tests
+    monkeypatch.syspath_prepend(BENCH)
     from trl_compare import last_accuracy, median_time_to
     assert median_time_to([3.0, 1.0, 2.0]) == 2.0
     assert median_time_to([3.0, None, 1.0]) == 3.0
