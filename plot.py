@@ -56,8 +56,9 @@ def step_lines(path):
 
 def plot_metrics(metrics_jsonl_path, out_png, title="GRPO"):
     """Four panels of a run's metrics per step (an evaluation at the step whose weights it scored,
-    eval/step), minutes since the metrics log opened on the top axis. Returns out_png. Uses matplotlib's
-    object API (no pyplot state): safe beside anything else the process draws."""
+    eval/step), minutes since the metrics log opened on the top axis. Returns the path written
+    (out_png, with the default format's extension, .png, added where it has none). Uses
+    matplotlib's object API (no pyplot state): safe beside anything else the process draws."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -91,6 +92,10 @@ def plot_metrics(metrics_jsonl_path, out_png, title="GRPO"):
             top.set_xlabel(f"{unit} since the start", fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    # a name without an extension gets the default format's from matplotlib (curve -> curve.png):
+    # the file returned is the one written
+    if not os.path.splitext(out_png)[1][1:]:
+        out_png = os.fspath(out_png).rstrip(".") + "." + fig.canvas.get_default_filetype()
     fig.savefig(out_png)
     return out_png
 

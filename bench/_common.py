@@ -1,7 +1,9 @@
 """Helpers shared by bench/generation.py, ref_overhead.py, weight_sync.py, overlap.py, gpu_bench.py,
-gpu_check.py and trl_compare.py."""
+gpu_check.py, trl_compare.py and the scripts that start processes or empty an --out-dir."""
 import os
 import platform
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -10,6 +12,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 DEMO_MODEL = os.path.join(ROOT, "runs", "bench", "demo_model")
+# in an --out-dir a bench script made: only such a folder (or an empty one) is emptied for a new run
+OUT_DIR_MARK = ".bench-out-dir"
 # a bigger random model for "not all overhead" measurements: Qwen2 shape, 4 layers of width 1024, head size 64
 BIG = dict(hidden=1024, layers=4, heads=16)
 
@@ -86,3 +90,37 @@ def print_table(headers, rows):
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in cells[1:]:
         print(line(r))
+
+
+def stop_signals_raise():
+    """SIGTERM and SIGHUP (`timeout`, `kill`, a closed terminal or ssh session) end the script as
+    Ctrl-C does, by raising, so that its `finally`s stop what it started (as demo/run_demo.py does);
+    one left ignored (SIGHUP under nohup) stays ignored."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) != signal.SIG_IGN:
+            signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+
+
+def fresh_out_dir(given, script, keep=()):
+    """A script's --out-dir, made or emptied for a fresh run -> its absolute path. Only a
+    folder a bench script made (it holds OUT_DIR_MARK) or an empty one is emptied: anything else
+    (`--out-dir .`, the repository; runs/demo, the demo's model) is refused in one line, as is an
+    --out-dir holding a path in `keep` (the --model the run reads)."""
+    out = os.path.abspath(given)
+    for path in keep:
+        real, folder = os.path.realpath(path), os.path.realpath(out)
+        if real == folder or real.startswith(folder + os.sep):
+            raise SystemExit(f"{script}: --out-dir {given} holds {path}, which the run reads: give "
+                             f"another --out-dir")
+    if os.path.islink(out) or os.path.lexists(out) and not os.path.isdir(out):
+        what = "a symlink" if os.path.islink(out) else "a file"
+        raise SystemExit(f"{script}: --out-dir {given} is {what}, not a folder")
+    if os.path.isdir(out) and os.listdir(out):
+        if not os.path.exists(os.path.join(out, OUT_DIR_MARK)):
+            raise SystemExit(f"{script}: --out-dir {given} holds files no bench script wrote, and "
+                             f"a run empties its --out-dir: give a new or empty folder")
+        shutil.rmtree(out)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, OUT_DIR_MARK), "w") as f:
+        f.write(f"made by {script}: a bench script's next run here empties this folder\n")
+    return out

@@ -11,17 +11,20 @@ grpo_train.py asks it (the rollout decodes each completion itself, for the rewar
 costs 2-4 ms a call on the demo model, 18-20 ms with log-probs (bench/README.md section 23). A third row: vLLM as
 grpo_train.py calls it, also returning each sampled token's log-prob (logprobs=0).
 Generated tokens are counted the same way on both sides: up to and including the first EOS, else the limit.
-Each side gets one warm-up call (2 new tokens), then the median of --reps calls is timed. Threads: OMP_NUM_THREADS and
-torch.set_num_threads(--threads) before either side runs; vLLM runs in this process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0) on the same thread pool (the table's header says how many threads it saw).
+Each side gets one warm-up call (2 new tokens), then --reps calls are timed: tokens/s is all their
+tokens over all their time (the table's tokens and seconds a call are means). Threads:
+OMP_NUM_THREADS and torch.set_num_threads(--threads) before either side runs; vLLM runs in this
+process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on the same thread pool (the table's header says how many
+threads it saw).
 """
 import argparse
 import os
 import tempfile
+import time
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-from _common import BIG, demo_model, machine, print_table, random_model, timed  # noqa: E402
+from _common import BIG, demo_model, machine, print_table, random_model  # noqa: E402
 
 
 def hf_side(path, prompts, a):
@@ -41,7 +44,7 @@ def hf_side(path, prompts, a):
         first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, out.shape[1])
         return int(first.sum())
     run(2)   # warm-up
-    return timed(run, a.reps)
+    return rate(run, a.reps)
 
 
 def vllm_side(path, prompts, a):
@@ -56,15 +59,29 @@ def vllm_side(path, prompts, a):
     with_logps = SamplingParams(n=a.n, temperature=a.temperature, max_tokens=a.max_new_tokens, logprobs=0,
                                 detokenize=False)
 
+    outs = []
+
     def run(params=params):   # token_ids include the EOS that stopped a completion (checked below)
-        outs = llm.generate(ids, params, use_tqdm=False)
-        return sum(len(c.token_ids) for o in outs for c in o.outputs), outs
+        outs[:] = llm.generate(ids, params, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outs for c in o.outputs)
     run(SamplingParams(n=a.n, temperature=a.temperature, max_tokens=2))   # warm-up
-    t, (n_tok, outs) = timed(run, a.reps)
+    t, n_tok = rate(run, a.reps)
     ends = [c.token_ids[-1] for o in outs for c in o.outputs if c.finish_reason == "stop"]
     assert all(e == tok.eos_token_id for e in ends), "vLLM's token_ids should end with the EOS"
-    t_lp, (n_tok_lp, _) = timed(lambda: run(with_logps), a.reps)
+    t_lp, n_tok_lp = rate(lambda: run(with_logps), a.reps)
     return t, n_tok, t_lp, n_tok_lp, torch.get_num_threads()
+
+
+def rate(run, reps):
+    """run() -> tokens generated, called `reps` times -> (mean seconds, mean tokens) a call.
+    Means, not the median time and the last call's tokens: each call samples anew, so its length
+    varies with its time, and tokens/s is all the calls' tokens over all their time."""
+    times, tokens = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        tokens.append(run())
+        times.append(time.perf_counter() - t)
+    return sum(times) / reps, sum(tokens) / reps
 
 
 def main():
@@ -75,7 +92,7 @@ def main():
     p.add_argument("--n", type=int, default=8, help="completions per prompt")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 12 (demo), 32 (big)")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--reps", type=int, default=3, help="timed calls per side (median)")
+    p.add_argument("--reps", type=int, default=3, help="timed calls per side (their mean)")
     p.add_argument("--threads", type=int, default=2, help="torch threads for both sides")
     a = p.parse_args()
     a.max_new_tokens = a.max_new_tokens or (32 if a.size == "big" else 12)
@@ -89,7 +106,8 @@ def main():
         hf_t, hf_tok = hf_side(path, prompts, a)
         v_t, v_tok, lp_t, lp_tok, v_threads = vllm_side(path, prompts, a)
     print(f"\n{machine()}; threads {a.threads} (vLLM saw {v_threads}); model {a.model or a.size}; {a.prompts} prompts "
-          f"x {a.n} completions, max {a.max_new_tokens} new tokens, temperature {a.temperature}, median of {a.reps}")
+          f"x {a.n} completions, max {a.max_new_tokens} new tokens, temperature {a.temperature}, "
+          f"mean of {a.reps}")
     print_table(["engine", "tokens/call", "s/call", "tokens/s", "vs transformers"],
                 [["transformers generate", hf_tok, hf_t, hf_tok / hf_t, 1.0],
                  ["vLLM (CPU build)", v_tok, v_t, v_tok / v_t, (v_tok / v_t) / (hf_tok / hf_t)],

@@ -28,7 +28,7 @@ import tempfile
 import time
 from functools import partial
 
-from _common import ROOT, machine, n_params, print_table, random_model
+from _common import ROOT, machine, n_params, print_table, random_model, stop_signals_raise
 
 VOCAB = 151936
 CONFIGS = {"qwen2.5-0.5b": dict(hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2),
@@ -186,6 +186,10 @@ def main():
     if a.tiny:
         a.models = "tiny"
         vars(a).update(TINY)
+    # said before any model runs, not after the ones before it
+    if unknown := [m for m in a.models.split(",") if m not in CONFIGS]:
+        raise SystemExit(f"gpu_bench: --models {a.models}: no config named {', '.join(unknown)} "
+                         f"(known: {', '.join(CONFIGS)})")
     if a.phase:
         run = {"gen": generate, "ours": partial(generate, ours=True), "train": train}[a.phase]
         print("RESULT " + json.dumps(run(a, a.path)))
@@ -193,6 +197,8 @@ def main():
     a.passthrough = [f"--{k.replace('_', '-')}={getattr(a, k)}"
                      for k in ("prompts", "group_size", "prompt_len", "new_tokens", "gen_mem", "batch",
                                "micro_batch", "steps", "ds_config")] + ["--grad-ckpt"] * a.grad_ckpt
+    # a stop ends the phases running (the `finally` below) before their model's folder goes
+    stop_signals_raise()
     import torch
     peak = a.peak_tflops or (989.0 if torch.cuda.is_available() else None)
     rows = []
@@ -201,15 +207,30 @@ def main():
             random_model(tmp, dtype="bfloat16" if torch.cuda.is_available() else "float32", vocab=VOCAB,
                          max_len=a.prompt_len + a.new_tokens, **CONFIGS[config])
             r = {"gen_tok_s": "n/a", "ours_tok_s": "n/a", "gen_peak_mib": "n/a"}
-            if a.tiny and not a.no_gen:   # a smoke run: both phases at once, so that the test stays short
-                gen, ours, trn = (start_phase(a, phase, tmp) for phase in ("gen", "ours", "train"))
-                r.update({**result(gen, f"generation ({config})"), **result(ours, f"our generation ({config})"),
-                          **result(trn, f"training ({config})")})
-            else:        # one after the other: each has the GPU to itself
-                if not a.no_gen:
-                    r.update(result(start_phase(a, "gen", tmp), f"generation ({config})"))
-                    r.update(result(start_phase(a, "ours", tmp), f"our generation ({config})"))
-                r.update(result(start_phase(a, "train", tmp), f"training ({config})"))
+            started = []
+
+            def start(phase):   # each one is stopped in the `finally` below if it is still running
+                started.append(start_phase(a, phase, tmp))
+                return started[-1]
+            try:
+                # a smoke run: all phases at once, so that the test stays short
+                if a.tiny and not a.no_gen:
+                    gen, ours, trn = (start(phase) for phase in ("gen", "ours", "train"))
+                    r.update({**result(gen, f"generation ({config})"),
+                              **result(ours, f"our generation ({config})"),
+                              **result(trn, f"training ({config})")})
+                else:        # one after the other: each has the GPU to itself
+                    if not a.no_gen:
+                        r.update(result(start("gen"), f"generation ({config})"))
+                        r.update(result(start("ours"), f"our generation ({config})"))
+                    r.update(result(start("train"), f"training ({config})"))
+            finally:
+                # one phase failed, or a stop: the others do not run on in a deleted model folder
+                for proc, log in started:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
+                    log.close()
         mfu = f"{100 * r['train_tflop_s'] / peak:.3g}" if peak else "n/a"
         print(f"{config}: DeepSpeed's model and gradient-accumulation dtypes: {r['dtypes']}", flush=True)
         num = lambda v, fmt: v if isinstance(v, str) else format(v, fmt)

@@ -48,7 +48,7 @@ import tempfile
 import threading
 import time
 
-from _common import ROOT, random_model, stop_at_random_lengths
+from _common import ROOT, fresh_out_dir, random_model, stop_at_random_lengths, stop_signals_raise
 from gpu_bench import CONFIGS, VOCAB, train_flops
 from plot import step_lines
 
@@ -274,7 +274,8 @@ def main():
     p.add_argument("--tiny", action="store_true", help="tiny shapes and 3 steps, on CPU (the test suite)")
     p.add_argument("--quick", action="store_true",
                    help="at most 5 minutes on one GPU from a cold start: 5 smaller steps, no gpu_bench.py")
-    p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "gpu_check"), help="model, run and logs")
+    p.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "gpu_check"),
+                   help="model, run and logs (emptied first: new, empty, or a bench script's)")
     p.add_argument("--lr", type=float, default=1e-6, help="the recipe's learning rate")
     p.add_argument("--sync-tol", type=float, default=0.1,
                    help="largest sync/logp_diff allowed (the trainer's default)")
@@ -285,6 +286,10 @@ def main():
     p.add_argument("--grad-ckpt", action="store_true",
                    help="train with gradient checkpointing (docs/gpu.md: the 1.5B shape on one 80 GB GPU)")
     a = p.parse_args()
+    # `timeout`, `kill` or a closed ssh session end the check through the `finally`s below, which
+    # stop the GRPO run (its launcher has a session of its own: no signal to this one reaches it)
+    # and the bench
+    stop_signals_raise()
     import torch
     # on a machine without a GPU: one line, not minutes of a 0.5B model on the CPU
     if not a.tiny and not torch.cuda.is_available():
@@ -295,32 +300,34 @@ def main():
     s, config = (dict(TINY), "tiny") if a.tiny else (dict(QUICK if a.quick else RECIPE), a.shape)
     s["steps"] = a.steps or s["steps"]
     t0 = time.time()
-    bench = None
-    if not (a.no_bench or a.quick):
-        cmd = [sys.executable, "bench/gpu_bench.py"] + (["--tiny", "--peak-tflops", "0.1"] if a.tiny else
-                                                        ["--models", config])
-        print("gpu_check:", " ".join(cmd), flush=True)
-        # on a GPU it runs first and alone (its numbers are measurements); --tiny, a smoke run on CPU, beside
-        # the GRPO run (both mostly wait on imports there), its output held until it ends
-        held = tempfile.TemporaryFile("w+") if a.tiny else None
-        bench = subprocess.Popen(cmd, cwd=ROOT, stdout=held), held
-        if not a.tiny:
-            finish_bench(*bench)
-            bench = None
-    out = os.path.abspath(a.out_dir)
-    shutil.rmtree(out, ignore_errors=True)   # a fresh run: the checks read this run's metrics only
+    # a fresh run: the checks read this run's metrics only (a foreign folder: refused at once)
+    out = fresh_out_dir(a.out_dir, "gpu_check")
     model = os.path.join(out, "model")
-    memory = PeakMemory()
+    bench = None
     try:
+        if not (a.no_bench or a.quick):
+            cmd = [sys.executable, "bench/gpu_bench.py"]
+            cmd += ["--tiny", "--peak-tflops", "0.1"] if a.tiny else ["--models", config]
+            print("gpu_check:", " ".join(cmd), flush=True)
+            # on a GPU it runs first and alone (its numbers are measurements); --tiny, a smoke run
+            # on CPU, beside the GRPO run (both mostly wait on imports there), its output held until
+            # it ends
+            held = tempfile.TemporaryFile("w+") if a.tiny else None
+            bench = subprocess.Popen(cmd, cwd=ROOT, stdout=held), held
+            if not a.tiny:
+                finish_bench(*bench)
+                bench = None
+        memory = PeakMemory()
         build_model(model, config, s, gpus > 0)
         took, engines = run_grpo(a, s, model, os.path.join(out, "run"), gpus)
-    except BaseException:   # --tiny: a failed run does not leave the bench running behind it
+        peak = memory.line()
         if bench is not None:
-            bench[0].kill()
-        raise
-    peak = memory.line()
-    if bench is not None:
-        finish_bench(*bench)
+            finish_bench(*bench)
+    finally:
+        # a failed run or a stop does not leave the bench running (SIGTERM: it stops its own phases)
+        if bench is not None and bench[0].poll() is None:
+            bench[0].terminate()
+            bench[0].wait()
     rows, summary = check_run(os.path.join(out, "run"), model, s["steps"], a.sync_tol)
     flags = [arg for k, v in s.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
     prompts, args = step_one_prompts(["--task", "countdown", *flags], model)

@@ -2,7 +2,9 @@
 
   --part ref   ref_server.py on --device (started as the GPU recipe in docs/gpu.md starts it, on a random
                model saved to disk): one POST /logps of --seqs sequences of --prompt-len + --completion-len
-               tokens through the trainer's client, against the same compute_logps in this process, same device.
+               tokens through the trainer's client, against the same compute_logps in this process,
+               same device, in the same forward passes (the client cuts a batch past the server's
+               --max-tokens into requests: 4 at the defaults).
   --part sync  the weight paths from the trainer to the generation process, per state dict (tied embeddings
                once): the previous path was GPU -> shared CPU memory (unpinned, the old weight_sync.py) and
                shared memory -> the engine's GPU on load; today's process-group path broadcasts each tensor from
@@ -16,8 +18,10 @@
 Medians of --reps timed repetitions after a warm-up.
 """
 import argparse
+import contextlib
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,7 +43,7 @@ def shapes(config):
 def part_ref(a, config, device):
     import torch
     from placement import free_port
-    from ref_client import ref_logps, wait_for_server
+    from ref_client import RefServerError, in_requests, ref_logps, split_to_fit, wait_for_server
     from ref_server import compute_logps, load_model
     with tempfile.TemporaryDirectory() as tmp, open(os.path.join(tmp, "server.log"), "w+") as log:
         path = random_model(os.path.join(tmp, "m"), dtype="bfloat16" if device != "cpu" else "float32",
@@ -49,7 +53,17 @@ def part_ref(a, config, device):
                                  "--port", url.rsplit(":", 1)[1]], cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT)
         try:
-            wait_for_server(url, timeout=300)
+            # the server's /health: its limits, which cut the batch into requests below
+            for _ in range(300):
+                if proc.poll() is not None:
+                    raise SystemExit(f"gpu_transfer: ref_server.py exited with code "
+                                     f"{proc.returncode} (its log is above)")
+                with contextlib.suppress(RefServerError):
+                    limits = wait_for_server(url, timeout=1)
+                    break
+            else:
+                raise SystemExit("gpu_transfer: ref_server.py did not come up in 300 s (its log is "
+                                 "above)")
             rng = random.Random(0)
             prompts = [[rng.randrange(VOCAB) for _ in range(a.prompt_len)] for _ in range(a.seqs)]
             completions = [[rng.randrange(VOCAB) for _ in range(a.completion_len)] for _ in range(a.seqs)]
@@ -63,14 +77,17 @@ def part_ref(a, config, device):
             print(log.read()[-2000:])
         model = load_model(path, device)
         sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
-        local = lambda: (compute_logps(model, prompts, completions, 1.0), sync())
+        # the server's forward passes: the client's requests, cut to fit its --max-tokens
+        parts = len(split_to_fit(prompts, completions, limits))
+        local = lambda: (in_requests(prompts, completions, limits,
+                                     lambda ps, cs: compute_logps(model, ps, cs, 1.0)), sync())
         local()
         t_local = timed(local, a.reps)[0]
     tokens = a.seqs * (a.prompt_len + a.completion_len)
-    return [[config, f"ref_server.py --device {device}, POST /logps", f"{1000 * t_remote:.0f}",
-             f"{tokens / t_remote:.0f} tok/s"],
-            [config, f"compute_logps in process on {device}", f"{1000 * t_local:.0f}",
-             f"{tokens / t_local:.0f} tok/s"]]
+    return [[config, f"ref_server.py --device {device}, POST /logps ({parts} request(s))",
+             f"{1000 * t_remote:.0f}", f"{tokens / t_remote:.0f} tok/s"],
+            [config, f"compute_logps in process on {device} ({parts} forward pass(es))",
+             f"{1000 * t_local:.0f}", f"{tokens / t_local:.0f} tok/s"]]
 
 
 def broadcast_child(rank, port, shp, reps, out):
@@ -89,7 +106,7 @@ def broadcast_child(rank, port, shp, reps, out):
             dist.broadcast(x, 0)
         dist.barrier()
         times.append(time.perf_counter() - t)
-    out[rank] = sorted(times[1:])[reps // 2]
+    out[rank] = statistics.median(times[1:])
     dist.destroy_process_group()
 
 
@@ -149,6 +166,9 @@ def main():
     p.add_argument("--completion-len", type=int, default=512, help="ref: completion tokens per sequence")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
     a = p.parse_args()
+    if unknown := [m for m in a.models.split(",") if m not in CONFIGS]:
+        raise SystemExit(f"gpu_transfer: --models {a.models}: no config named {', '.join(unknown)} "
+                         f"(known: {', '.join(CONFIGS)})")
     import torch
     device = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     rows = []

@@ -25,6 +25,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 6], help="training GPU counts to show")
     a = p.parse_args()
+    if min(a.gpus) < 1:
+        raise SystemExit(f"memory_table.py: --gpus {' '.join(map(str, a.gpus))}: each must be 1 or "
+                         f"more")
     # after the parse: deepspeed takes seconds to import, which --help need not wait for
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
     gib = 2 ** 30

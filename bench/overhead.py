@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from _common import fresh_out_dir
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -31,7 +33,10 @@ def system_run(a, extra, out):
     cmd = [sys.executable, "-m", "demo.run_demo", "--model", a.model, "--out-dir", out, "--steps", str(a.steps),
            "--eval-every", str(10 * a.steps), "--", *extra]
     with open(os.path.join(out, "stdout.log"), "w") as log:
-        subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc:
+        raise SystemExit(f"overhead.py: the system run failed (exit code {rc}); its log: "
+                         f"{log.name}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         el = {r["step"]: r["time/elapsed_s"] for r in map(json.loads, f) if "time/train_s" in r}
     end = a.steps - 1   # the last step also waits for the final evaluation
@@ -99,15 +104,23 @@ def main():
     p.add_argument("--model", default="runs/demo/model", help="warm-started demo model (make demo builds it)")
     p.add_argument("--steps", type=int, default=60, help="steps of each run")
     p.add_argument("--warm-steps", type=int, default=10, help="steady state starts at this step")
-    p.add_argument("--out-dir", default="runs/overhead", help="the system run's folder")
+    p.add_argument("--out-dir", default="runs/overhead",
+                   help="the system run's folder (emptied first: new, empty, or a bench script's)")
     p.add_argument("--alone", action="store_true", help=argparse.SUPPRESS)   # the child process
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     a.model = os.path.abspath(a.model)
     out = os.path.abspath(a.out_dir)
+    if not os.path.isfile(os.path.join(a.model, "config.json")):
+        raise SystemExit(f"overhead.py: --model {a.model} holds no model (make demo builds "
+                         f"runs/demo/model)")
+    # the steady state: steps --warm-steps .. --steps - 1 (the last waits for the final evaluation)
+    if not 1 <= a.warm_steps < a.steps - 1:
+        raise SystemExit(f"overhead.py: --warm-steps {a.warm_steps} leaves no steady state in "
+                         f"--steps {a.steps}: give 1 <= --warm-steps < --steps - 1")
     if a.alone:
         print("RESULT " + json.dumps(alone(a, extra, os.path.join(out, "alone"))))
         return
-    subprocess.run(["rm", "-rf", out])
+    fresh_out_dir(a.out_dir, "overhead.py", keep=[a.model])
     os.makedirs(os.path.join(out, "alone"))
     wall = system_run(a, extra, out)
     child = subprocess.run([sys.executable, __file__, "--alone", "--model", a.model, "--steps", str(a.steps),

@@ -19,7 +19,7 @@ import sys
 from statistics import fmean
 
 from _common import ROOT, demo_model, machine, print_table
-from plot import step_lines
+from plot import BadLine, step_lines
 
 
 def run_demo(a):
@@ -33,7 +33,10 @@ def run_demo(a):
         os.remove(os.path.join(out, "metrics.jsonl"))   # a fresh run, not a continuation
     with open(os.path.join(ROOT, "runs", "bench", "overlap.log"), "w") as log:
         print(f"running {' '.join(cmd)} (log: runs/bench/overlap.log)", flush=True)
-        subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc:
+        raise SystemExit(f"overlap.py: the demo run failed (exit code {rc}); its log: "
+                         f"runs/bench/overlap.log")
     return os.path.join(out, "metrics.jsonl")
 
 
@@ -47,7 +50,15 @@ def main():
     p.add_argument("--ref-servers", type=int, default=1, help="reference servers of the demo run")
     a = p.parse_args()
     path = a.metrics or run_demo(a)
-    rows = step_lines(path)
+    try:
+        rows = step_lines(path)
+    except OSError as e:
+        raise SystemExit(f"overlap.py: {path}: {e.strerror}") from None
+    except BadLine as e:
+        raise SystemExit(f"overlap.py: {e}") from None
+    # the steady state starts at step 2
+    if len(rows) < 2:
+        raise SystemExit(f"overlap.py: {path} holds {len(rows)} step line(s): it needs 2 or more")
     missing = [k for k in ("time/wait_s", "time/gen_idle_s", "time/elapsed_s") if k not in rows[-1]]
     if "time/wait_s" in missing or "time/elapsed_s" in missing:
         raise SystemExit(f"{path} has no {missing}: written by an older grpo_train.py")
@@ -58,6 +69,9 @@ def main():
               ("steady, no eval", [r for r in rows[1:] if "eval/accuracy" not in r])]
     table = []
     for name, rs in scopes:
+        if not rs:   # every step took in an evaluation (--eval-every 1)
+            table.append([name, 0, *["-"] * 5])
+            continue
         wall, wait, gen_idle = sum(map(dur, rs)), sum(r["time/wait_s"] for r in rs), sum(map(idle, rs))
         table.append([name, len(rs), f"{wall:.1f}", f"{wait:.1f}", f"{100 * wait / wall:.1f}%",
                       f"{gen_idle:.2f}", f"{100 * gen_idle / wall:.1f}%"])

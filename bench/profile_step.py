@@ -29,6 +29,8 @@ import time
 
 import psutil
 
+from _common import fresh_out_dir, stop_signals_raise
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (row, frames that must all be in the stack): first match wins, so the specific rows come first.
@@ -98,14 +100,19 @@ def profile(raw_path, rows, threads):
     return counts
 
 
-def find(pred, timeout=300):
+def find(what, pred, demo, log, timeout=300):
+    """The process `pred` picks, once the demo has started it; one line if the demo ends first (a
+    failed start-up) or after `timeout` seconds."""
     t = time.time()
     while time.time() - t < timeout:
+        if demo.poll() is not None:
+            raise SystemExit(f"profile_step.py: the demo exited (code {demo.returncode}) before "
+                             f"its {what} started: {log}")
         for p in psutil.process_iter(["pid", "cmdline"]):
             if pred(" ".join(p.info["cmdline"] or []), p):
                 return p
         time.sleep(0.5)
-    raise SystemExit("process not found")
+    raise SystemExit(f"profile_step.py: no {what} process after {timeout} s: {log}")
 
 
 def cpu_seconds(procs):
@@ -131,37 +138,53 @@ def main(argv=None):
     p.add_argument("--rate", type=int, default=200,
                    help="py-spy samples per second per process (0: no py-spy, the CPU line alone)")
     p.add_argument("--model", default="runs/demo/model", help="warm-started demo model (make demo builds it)")
-    p.add_argument("--out-dir", default="runs/profile_step", help="the run and the raw py-spy files")
+    p.add_argument("--out-dir", default="runs/profile_step",
+                   help="the run and the raw py-spy files (emptied first: new, empty, or a bench "
+                        "script's)")
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    out = os.path.abspath(a.out_dir)
-    subprocess.run(["rm", "-rf", out])
-    os.makedirs(out)
+    if not os.path.isfile(os.path.join(a.model, "config.json")):
+        raise SystemExit(f"profile_step.py: --model {a.model} holds no model (make demo builds "
+                         f"runs/demo/model)")
+    out = fresh_out_dir(a.out_dir, "profile_step.py", keep=[a.model])
+    stop_signals_raise()
     metrics = os.path.join(out, "metrics.jsonl")
     cmd = [sys.executable, "-m", "demo.run_demo", "--model", a.model, "--out-dir", out, "--steps", str(a.steps),
            "--eval-every", str(10 * a.steps), "--", *extra]
+    # this run's processes, not another run's: their command lines name its folder
+    ours = lambda c: f" {out} " in f" {c} "
     with open(os.path.join(out, "stdout.log"), "w") as log:
-        demo = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        trainer = find(lambda c, _: "grpo_train.py --local_rank" in c)
-        ref = find(lambda c, _: "ref_server.py" in c and out in c)
-        while last_step(metrics) < a.warm_steps:
-            if demo.poll() is not None:
-                raise SystemExit(f"the demo exited early: {os.path.join(out, 'stdout.log')}")
-            time.sleep(0.2)
-        gen = next(c for c in trainer.children() if "spawn_main" in " ".join(c.cmdline()))
-        procs = {"trainer": trainer.pid, "generation": gen.pid, "reference": ref.pid}
-        spies = {name: subprocess.Popen(
-            [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid", str(pid), "--duration",
-             str(math.ceil(a.seconds)), "--rate", str(a.rate), "--nonblocking", "--idle", "--threads",
-             "--format", "raw", "-o", os.path.join(out, f"{name}.raw")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for name, pid in procs.items() if a.rate}
-        cpu0, step0, t0 = cpu_seconds(procs), last_step(metrics), time.time()
-        time.sleep(a.seconds)
-        cpu1, step1, t1 = cpu_seconds(procs), last_step(metrics), time.time()
-        for s in spies.values():
-            s.wait()
-        if demo.wait() != 0:
-            raise SystemExit(f"the demo failed: {os.path.join(out, 'stdout.log')}")
+        demo, spies = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), {}
+        try:
+            rank = lambda c, _: "grpo_train.py --local_rank" in c and ours(c)
+            trainer = find("trainer", rank, demo, log.name)
+            served = lambda c, _: "ref_server.py" in c and ours(c)
+            ref = find("reference server", served, demo, log.name)
+            while last_step(metrics) < a.warm_steps:
+                if demo.poll() is not None:
+                    raise SystemExit(f"profile_step.py: the demo exited early: {log.name}")
+                time.sleep(0.2)
+            gen = next(c for c in trainer.children() if "spawn_main" in " ".join(c.cmdline()))
+            procs = {"trainer": trainer.pid, "generation": gen.pid, "reference": ref.pid}
+            py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+            spies = {name: subprocess.Popen(
+                [py_spy, "record", "--pid", str(pid), "--duration", str(math.ceil(a.seconds)),
+                 "--rate", str(a.rate), "--nonblocking", "--idle", "--threads", "--format", "raw",
+                 "-o", os.path.join(out, f"{name}.raw")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                for name, pid in procs.items() if a.rate}
+            cpu0, step0, t0 = cpu_seconds(procs), last_step(metrics), time.time()
+            time.sleep(a.seconds)
+            cpu1, step1, t1 = cpu_seconds(procs), last_step(metrics), time.time()
+            for s in spies.values():
+                s.wait()
+            if demo.wait() != 0:
+                raise SystemExit(f"profile_step.py: the demo failed: {log.name}")
+        finally:
+            # an error or a stop here ends the samplers and the demo (which stops what it started)
+            for proc in [*spies.values(), demo]:
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait()
     steps = step1 - step0
     if steps < 5:
         raise SystemExit(f"only {steps} steps in the window: raise --seconds or --steps")

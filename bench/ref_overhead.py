@@ -17,17 +17,20 @@ cost of a request). Both answers are checked to be equal.
 import argparse
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 
-from _common import BIG, ROOT, demo_model, machine, print_table, random_model, timed
+from _common import (BIG, ROOT, demo_model, machine, print_table, random_model, stop_signals_raise,
+                     timed)
 
 TOKEN = "bench"
 
 
-def start_server(server, path, a, log):
-    """`server` (a ref_server.py) on `path`, /reload on for the folder holding `path` -> (process, url)."""
+def start_server(server, path, a, log, procs):
+    """`server` (a ref_server.py) on `path`, /reload on for the folder holding `path`, put in
+    `procs` once started (the caller stops it, however this ends) -> its url, once up."""
     from placement import free_port   # here: placement imports torch, which --help need not wait for
     from ref_client import RefServerError, wait_for_server
     url = f"http://127.0.0.1:{free_port()}"
@@ -35,16 +38,23 @@ def start_server(server, path, a, log):
                              "--threads", str(a.threads), "--checkpoint-dir", os.path.dirname(path)],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "REF_SERVER_TOKEN": TOKEN})
+    procs.append(proc)
     for _ in range(240):
         if proc.poll() is not None:
-            raise SystemExit(f"ref_server.py exited with code {proc.returncode}; its log: {log.name}")
+            failed(f"{server} exited with code {proc.returncode}", log)
         try:
             wait_for_server(url, timeout=1)
-            return proc, url
+            return url
         except RefServerError:
             pass
-    proc.terminate()
-    raise SystemExit("ref_server.py did not come up in 240 s")
+    failed(f"{server} did not come up in 240 s", log)
+
+
+def failed(what, log):
+    """The servers' log's end, then one line: the log is in a folder removed on the way out."""
+    with open(log.name) as f:
+        print(f.read()[-3000:], file=sys.stderr)
+    raise SystemExit(f"ref_overhead.py: {what} (the end of its log is above)")
 
 
 def main():
@@ -59,6 +69,8 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="torch threads, both sides (the demo's server runs 1)")
     p.add_argument("--reps", type=int, default=20, help="timed calls per side (median)")
     a = p.parse_args()
+    # a stop ends the servers started, as an error does (the `finally` below)
+    stop_signals_raise()
     import torch
     torch.set_num_threads(a.threads)
     from ref_client import ref_logps, reload_reference
@@ -70,8 +82,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp, open(os.path.join(tmp, "server.log"), "w+") as log:
         path = (random_model(os.path.join(tmp, "m"), **shapes[a.size]) if a.size in shapes and not a.model
                 else demo_model(a.model))
-        procs, urls = zip(*[start_server(file, path, a, log) for file in servers.values()])
+        procs = []
         try:
+            urls = [start_server(file, path, a, log, procs) for file in servers.values()]
             model = load_model(path)
             rng, V = random.Random(0), model.config.vocab_size
             prompts = [[rng.randrange(V) for _ in range(a.prompt_len)] for _ in range(a.seqs)]
@@ -111,7 +124,7 @@ def main():
                                                                     max_tokens=10**9), 50)[0],
             "encode answer (server)": timed(lambda: encode_response(want), 50)[0],
             "decode answer (client)": timed(lambda: decode_response(ans, lens), 50)[0]}
-    med = lambda xs: sorted(xs)[len(xs) // 2]
+    med = statistics.median
     loc = med(t_local)
     n_par = sum(p.numel() for p in model.parameters())
     print(f"\n{machine()}; model {a.model or a.size} ({n_par / 1e6:.2f}M parameters); {a.seqs} sequences x "

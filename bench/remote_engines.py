@@ -16,6 +16,7 @@ process, as an engine process runs it) and through remote_engine.ServerLLM on a 
 share costs once, and what each decoded token adds.
 """
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -28,7 +29,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # vLLM's sampler helpers eager, in this process's engine and the servers, as in docs/gpu.md's CPU line and a
 # CPU engine's process (engine_process.engine_environment)
 os.environ["TORCHDYNAMO_DISABLE"] = "1"
-from _common import ROOT, demo_model, machine, print_table  # noqa: E402
+from _common import ROOT, demo_model, machine, print_table, stop_signals_raise  # noqa: E402
 
 OUT = os.path.join(ROOT, "runs", "bench", "remote_engines")
 SERVER_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "64", "--logprobs-mode",
@@ -36,13 +37,14 @@ SERVER_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "64"
                 "vllm_extension.TrainerExtension"]
 
 
-def start_servers(model, n, threads, worker_process):
-    """n vLLM servers on loopback, each in a process group of its own -> (processes, their URLs), once up."""
+def start_servers(model, n, threads, worker_process, procs):
+    """n vLLM servers on loopback, each in a process group of its own, put in `procs` as each starts
+    (the caller stops them, however this ends) -> their URLs, once up."""
     import requests
     from placement import free_port
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": str(int(worker_process)),
            "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    procs, urls = [], []
+    urls = []
     for i in range(n):
         port = free_port()
         log = open(os.path.join(OUT, f"server{i}.log"), "w")
@@ -60,7 +62,7 @@ def start_servers(model, n, threads, worker_process):
             except requests.RequestException:
                 pass
             time.sleep(1)
-    return procs, urls
+    return urls
 
 
 def run(model, name, steps, engines_flags):
@@ -126,8 +128,11 @@ def main():
     model = os.path.abspath(demo_model(a.model))
     os.makedirs(OUT, exist_ok=True)
     load = os.getloadavg()[0]
-    procs, urls = start_servers(model, a.engines, a.threads, a.worker_process)
+    # a stop (SIGTERM, Ctrl-C) or a server dying at its start ends the servers (the `finally`)
+    stop_signals_raise()
+    procs = []
     try:
+        urls = start_servers(model, a.engines, a.threads, a.worker_process, procs)
         sides = {"local": ["--gen-devices", ",".join(map(str, range(a.engines)))],
                  "servers": ["--gen-urls", ",".join(urls)]}
         rows = {side: [] for side in sides}
@@ -140,7 +145,9 @@ def main():
         alone = share_alone(model, urls[0], a.reps)
     finally:
         for proc in procs:
-            os.killpg(proc.pid, signal.SIGKILL)
+            # a server that died at its start was collected, its group maybe gone
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     median = lambda side, key: statistics.median(key(row) for row in rows[side])
     metrics = [("step (wait + train + sync), s", lambda r: r["time/wait_s"] + r["time/train_s"] + r["time/sync_s"]),

@@ -12,6 +12,7 @@ the reference, the trainer's step) does not change with N.
 """
 import argparse
 import os
+import statistics
 
 from _common import machine, print_table, timed
 import rewards
@@ -48,7 +49,7 @@ def main():
             times[n].append(seconds)
             scores[n] = [s for _, s in out]
     assert scores[1] == scores[workers], "the parallel scores differ from the serial ones"
-    median = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+    median = {n: statistics.median(t) for n, t in times.items()}
     print(machine())
     print_table(["completions", "--reward-workers 1 (s)", f"--reward-workers {workers} (s)", "ratio"],
                 [[len(items), f"{median[1]:.2f}", f"{median[workers]:.2f}",

@@ -78,6 +78,9 @@ def main():
     if any(e < 1 or a.gpus - a.ref_servers - e < 1 for e in a.engines) or not 0 <= a.padded_fraction < 1:
         raise SystemExit("step_model.py: every --engines value needs >= 1 engine and >= 1 training GPU left "
                          "after the reference servers; --padded-fraction must be in [0, 1)")
+    # the model's reference stage is the servers' (--beta 0, no reference, is not modelled)
+    if a.ref_servers < 1:
+        raise SystemExit(f"step_model.py: --ref-servers {a.ref_servers}: the model needs 1 or more")
     rows = []
     for engines in a.engines:
         t = step_times(engines, a.gpus, a.seqs, a.prompt_len, a.completion_len, a.gen_tok_s, a.train_tok_s,

@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -362,6 +363,26 @@ def median(xs):
     return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
 
 
+def median_time_to(times):
+    """The median of the runs' times to the target, a run that never reached it (None) counting as
+    later than any that did -> None unless more than half of them reached it (the median of those
+    alone would flatter a system that mostly missed)."""
+    times = list(times)
+    reached = [t for t in times if t is not None]
+    if 2 * len(reached) <= len(times):
+        return None
+    return median(reached + [math.inf] * (len(times) - len(reached)))
+
+
+def last_accuracy(res):
+    """A run's last held-out accuracy, or None (TRL with --eval-every 0 evaluates never)."""
+    return res["evals"][-1]["eval/accuracy"] if res["evals"] else None
+
+
+def fmt_pct(x):
+    return "-" if x is None else f"{x:.1%}"
+
+
 def fmt_s(x):
     return "-" if x is None else f"{x:.1f}"
 
@@ -374,13 +395,13 @@ def table(results, a):
         for i, res in enumerate(runs):
             train, wall, step = time_to(res, a.target)
             lines.append(f"| {name} | {i + 1} | {fmt_s(train)} | {fmt_s(wall)} | {step if step is not None else '-'} | "
-                         f"{res['evals'][-1]['eval/accuracy']:.1%} | {fmt_s(res['first_step_wall_s'])} | "
+                         f"{fmt_pct(last_accuracy(res))} | {fmt_s(res['first_step_wall_s'])} | "
                          f"{fmt_s2(s_per_step(res))} | {res['wall_s']:.1f} | {res['cpu_s']:.0f} | "
                          f"{res['load_before']:.2f} |")
         if len(runs) > 1:
-            lines.append(f"| {name} | median | {fmt_s(median(time_to(r, a.target)[0] for r in runs))} | "
-                         f"{fmt_s(median(time_to(r, a.target)[1] for r in runs))} | | "
-                         f"{median(r['evals'][-1]['eval/accuracy'] for r in runs):.1%} | "
+            train, wall = (median_time_to(time_to(r, a.target)[k] for r in runs) for k in (0, 1))
+            lines.append(f"| {name} | median | {fmt_s(train)} | {fmt_s(wall)} | | "
+                         f"{fmt_pct(median(last_accuracy(r) for r in runs))} | "
                          f"{fmt_s(median(r['first_step_wall_s'] for r in runs))} | "
                          f"{fmt_s2(median(s_per_step(r) for r in runs))} | {median(r['wall_s'] for r in runs):.1f} | "
                          f"{median(r['cpu_s'] for r in runs):.0f} | |")
@@ -454,17 +475,21 @@ def main(argv=None):
                    help="also run ours as of this git commit (e.g. d08f4ac), exported beside the results, in the "
                         "same rotation: before and after in one run")
     a = p.parse_args(argv)
+    # said at once, not after the TRL venv's install and the runs before it
+    if problem := flag_problem(a):
+        raise SystemExit(f"trl_compare.py: {problem}")
     out = os.path.abspath(a.out_dir)
     os.makedirs(out, exist_ok=True)
     a.trl_venv = os.path.abspath(a.trl_venv)
     check_our_flags()
+    names = {"ours": "ours", "vllm": "TRL vLLM", "transformers": "TRL transformers"}
+    if a.baseline:
+        base_root = export_commit(a.baseline, os.path.join(out, f"baseline-{a.baseline}"))
+        names["baseline"] = f"ours@{a.baseline}"
     if a.only != "ours":
         ensure_trl_venv(a.trl_venv)
     if a.size != "demo":
         a.eval_every = 0
-    elif a.max_new_tokens != SHARED["max_new_tokens"]:
-        raise SystemExit(f"trl_compare.py: --max-new-tokens is for --size HxL; the demo task keeps "
-                         f"{SHARED['max_new_tokens']}")
 
     model = os.path.abspath(a.model) if a.model else os.path.join(out, "model")
     if not a.model:   # built once; every system starts from this folder
@@ -483,11 +508,8 @@ def main(argv=None):
     systems = ([] if a.only == "trl" else ["ours"]) + ([] if a.only == "ours" else
                                                        [b for b in ("vllm", "transformers")
                                                         if a.trl_backend in ("both", b)])
-    names = {"ours": "ours", "vllm": "TRL vLLM", "transformers": "TRL transformers"}
     if a.baseline:
-        base_root = export_commit(a.baseline, os.path.join(out, f"baseline-{a.baseline}"))
         systems.insert(1, "baseline")
-        names["baseline"] = f"ours@{a.baseline}"
     results = {names[k]: [] for k in systems}
     for rep in range(a.repeats):
         order = systems[rep % len(systems):] + systems[:rep % len(systems)]   # each goes first in turn
@@ -514,7 +536,7 @@ def main(argv=None):
                                 f"{e['wall_s']:.0f}s wall" for e in res["evals"]))
         print()
         print(table(results, a))
-        med = {name: (median(time_to(r, a.target)[0] for r in runs), median(time_to(r, a.target)[1] for r in runs))
+        med = {name: tuple(median_time_to(time_to(r, a.target)[k] for r in runs) for k in (0, 1))
                for name, runs in results.items()}
         trl = [n for n in med if n.startswith("TRL") and med[n][0]]   # (0: the starting model already reached it)
         if "ours" in med and med["ours"][0] is not None and trl:
@@ -525,12 +547,19 @@ def main(argv=None):
                   f"({fastest}): ours / TRL = {summary['ratio_train']:.2f} in training time, "
                   f"{summary['ratio_wall']:.2f} in wall time since launch")
         elif len(results) > 1:
-            print(f"\nnot every system reached {a.target:.0%} in {a.steps} steps: compare accuracy at step {a.steps}")
+            print(f"\nnot every system reached {a.target:.0%} in {a.steps} steps (in most runs): "
+                  f"compare accuracy at step {a.steps}")
         if a.baseline and "ours" in results:
             now, before = (median(s_per_step(r) for r in results[n]) for n in ("ours", names["baseline"]))
-            summary.update(s_per_step=now, baseline_s_per_step=before, s_per_step_ratio=now / before)
-            print(f"steady-state training s/step (medians, steps 10-{a.steps}): ours {now:.3f}, "
-                  f"{names['baseline']} {before:.3f}: {now / before:.2f}x ({1 - now / before:.0%} lower)")
+            if now and before:
+                summary.update(s_per_step=now, baseline_s_per_step=before,
+                               s_per_step_ratio=now / before)
+                print(f"steady-state training s/step (medians, steps 10-{a.steps}): "
+                      f"ours {now:.3f}, {names['baseline']} {before:.3f}: {now / before:.2f}x "
+                      f"({1 - now / before:.0%} lower)")
+            else:   # s/step counts from step 10 on
+                print(f"steady-state training s/step against {names['baseline']}: not measured in "
+                      f"{a.steps} steps (it needs 11 or more)")
     else:
         text, best = throughput_table(results, a)
         print(text)
@@ -545,12 +574,43 @@ def main(argv=None):
     print(f"results: {os.path.join(out, 'results.json')}")
 
 
+def flag_problem(a):
+    """What is wrong with the command line's numbers, in a line, or None."""
+    if a.steps < 1 or a.repeats < 1:
+        return f"--steps {a.steps} --repeats {a.repeats}: each must be 1 or more"
+    if a.micro_batches < 1 or PER_STEP % a.micro_batches:
+        # TRL's batch is PER_STEP // N sequences N times: short of PER_STEP, not whole groups
+        return (f"--micro-batches {a.micro_batches}: must divide a step's {PER_STEP} completions "
+                f"(1, 2, 4, ..., {PER_STEP})")
+    shape = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", a.size)
+    if a.size != "demo" and not (shape and int(shape[1]) % 32 == 0):
+        # the model's heads are 32 wide (demo.tiny_model --heads HIDDEN / 32)
+        return f"--size {a.size}: 'demo', or HIDDENxLAYERS, HIDDEN a multiple of 32 (e.g. 512x6)"
+    if a.size == "demo" and a.max_new_tokens != SHARED["max_new_tokens"]:
+        return f"--max-new-tokens is for --size HxL; the demo task keeps {SHARED['max_new_tokens']}"
+    return None
+
+
 def export_commit(commit, path):
-    """This repository as of `commit`, exported to path (once): the before of a before/after run."""
-    if not os.path.exists(path):
-        os.makedirs(path)
+    """This repository as of `commit`, exported to path (once): the before of a before/after run.
+    A commit git does not know is one line in git's words; the export goes through a temporary
+    folder, so a failed one leaves no folder that a later run would take as done."""
+    if not os.path.exists(os.path.join(path, "demo", "run_demo.py")):
+        check = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", "--end-of-options",
+                                f"{commit}^{{commit}}"], capture_output=True, text=True)
+        if check.returncode:
+            said = (check.stderr.strip().splitlines() or ["not a commit"])[-1]
+            raise SystemExit(f"trl_compare.py: --baseline {commit}: not a commit here (git: "
+                             f"{said})")
+        import shutil
+        tmp = path + ".tmp"
+        # a half-done export, or the empty folder an earlier version left
+        for folder in (tmp, path):
+            shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(tmp)
         archive = subprocess.run(["git", "-C", ROOT, "archive", commit], check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", path], input=archive, check=True)
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        os.rename(tmp, path)
     return path
 
 

@@ -27,6 +27,7 @@ import collections
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -170,7 +171,7 @@ def start(size, a):
         torch.manual_seed(0)
         config, tok = random_config(**MODEL_100M)
         model = Qwen2ForCausalLM(config)
-        path = os.path.join(tempfile.mkdtemp(), "m")
+        path = os.path.join(a.tmp, "m")
         model.save_pretrained(path)
         tok.save_pretrained(path)
     ctx = mp.get_context("spawn")
@@ -301,7 +302,7 @@ PHASES = ["rank 0: snapshot copy", "rank 0: probe forward", "rank 0: the push, e
 
 
 def median(xs):
-    return sorted(xs)[len(xs) // 2]
+    return statistics.median(xs)
 
 
 def run_child(size, a):
@@ -325,7 +326,9 @@ def main():
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print("RESULT " + json.dumps((profile if a.profile else measure)(a.child, a)))
+        # the random model's folder (~400 MB at 100m), removed when the child ends (errors too)
+        with tempfile.TemporaryDirectory() as a.tmp:
+            print("RESULT " + json.dumps((profile if a.profile else measure)(a.child, a)))
         return
     results = [run_child(size, a) for size in a.sizes.split(",")]
     print(f"\n{machine()}; {a.threads} torch thread(s); fp32 weights; median of {a.reps}")

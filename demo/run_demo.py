@@ -76,14 +76,21 @@ def pass_on(run, again):
         os.killpg(run.pid, signal.SIGINT if heard else signal.SIGKILL if again else signal.SIGTERM)
 
 
-def given_beta(extra):
-    """The --beta that grpo_train.py gets from the flags after `--` (the last one wins, as TRAIN_FLAGS' goes
-    before them, and before a --config file's), or None where they give none (or not a number)."""
+def given(extra, flag):
+    """The value of `flag` that grpo_train.py gets from the flags after `--` (the last one wins, as
+    TRAIN_FLAGS' goes before them, and before a --config file's), or None where they give none."""
     p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    p.add_argument("--beta")
-    # a --beta without its value is grpo_train.py's to refuse, in its own words
-    with contextlib.suppress(argparse.ArgumentError, TypeError, ValueError):
-        return float(p.parse_known_args(extra)[0].beta)
+    p.add_argument(flag)
+    # a flag without its value is grpo_train.py's to refuse, in its own words
+    with contextlib.suppress(argparse.ArgumentError):
+        return getattr(p.parse_known_args(extra)[0], flag[2:].replace("-", "_"))
+    return None
+
+
+def given_beta(extra):
+    """The --beta given after `--`, or None where none is (or not a number)."""
+    with contextlib.suppress(TypeError, ValueError):
+        return float(given(extra, "--beta"))
     return None
 
 
@@ -103,6 +110,10 @@ def main(argv=None):
     if a.ref_servers > 1 and given_beta(extra) == 0:
         raise SystemExit(f"run_demo: --ref-servers {a.ref_servers} starts reference servers, but --beta 0 trains "
                          f"without a reference: drop --ref-servers, or give --beta > 0")
+    # the demo reads the metrics where it told the trainer to write them
+    if given(extra, "--out-dir") is not None:
+        raise SystemExit(f"run_demo: --out-dir after `--` would move the trainer's folder away "
+                         f"from the demo's own ({a.out_dir}): give --out-dir before `--`")
     t_start = time.time()
     # until the launch, SIGTERM and SIGHUP end the demo the way Ctrl-C does, by raising, so the `finally`s
     # below stop what it started
@@ -113,7 +124,12 @@ def main(argv=None):
     signal.signal(signal.SIGINT, signal.default_int_handler)
     out = os.path.abspath(a.out_dir)
     model_dir = a.model or os.path.join(out, "model")
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except FileExistsError:
+        raise SystemExit(f"run_demo: --out-dir {a.out_dir} is a file, not a folder") from None
+    except OSError as e:
+        raise SystemExit(f"run_demo: --out-dir {a.out_dir}: {e.strerror}") from None
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            # the bars of loading and saving the model would only cut into the step lines
            "HF_HUB_DISABLE_PROGRESS_BARS": "1"}

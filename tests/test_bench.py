@@ -5,6 +5,7 @@ and every bench and tools script's --help, printed before torch is imported."""
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 
@@ -137,3 +138,107 @@ def test_step_model_arithmetic_on_known_figures():
     # the recipe's defaults: 6, 5 and 4 training ranks beside 1, 2 and 3 engines and one reference server
     assert [r[:2] for r in table_rows(run("bench/step_model.py", timeout=120))] == [["1", "6"], ["2", "5"],
                                                                                   ["3", "4"]]
+
+
+def refusal(*args):
+    """A bench script's one-line refusal of a mistake in its flags -> that line."""
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1 and p.stdout == "" and p.stderr.count("\n") == 1, \
+        p.stdout + p.stderr[-3000:]
+    return p.stderr.strip()
+
+
+def test_an_out_dir_is_emptied_only_where_a_bench_script_made_it(tmp_path):
+    """overhead.py, profile_step.py and gpu_check.py start afresh in their --out-dir: they empty a
+    folder one of them made, and refuse any other that holds files (`--out-dir .` was `rm -rf` of
+    the repository), a file, and a folder holding the --model the run reads."""
+    # run, not imported: a later test's import of _common must still put the root before bench/,
+    # whose generation.py would hide the trainer's
+    fresh_out_dir = runpy.run_path(os.path.join(BENCH, "_common.py"))["fresh_out_dir"]
+    out = tmp_path / "out"
+    assert fresh_out_dir(str(out), "bench") == str(out)
+    (out / "old.log").write_text("a previous run's")
+    fresh_out_dir(str(out), "bench")
+    assert os.listdir(out) == [".bench-out-dir"]
+    (tmp_path / "mine.txt").write_text("not a bench script's")
+    model = tmp_path / "model"
+    model.mkdir()
+    for given, keep, said in ((tmp_path, [], "holds files no bench script wrote"),
+                              (tmp_path / "mine.txt", [], "is a file, not a folder"),
+                              (tmp_path, [str(model)], f"holds {model}, which the run reads")):
+        with pytest.raises(SystemExit, match=re.escape(f"bench: --out-dir {given} {said}")):
+            fresh_out_dir(str(given), "bench", keep=keep)
+    assert (tmp_path / "mine.txt").read_text() == "not a bench script's"
+    (model / "config.json").write_text("{}")
+    assert refusal("bench/overhead.py", "--model", str(model), "--out-dir", str(tmp_path)) == (
+        f"overhead.py: --out-dir {tmp_path} holds {model}, which the run reads: give another "
+        f"--out-dir")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "notes.txt").write_text("")
+    said = refusal("bench/profile_step.py", "--model", str(model), "--out-dir",
+                   str(tmp_path / "runs"))
+    assert said == (f"profile_step.py: --out-dir {tmp_path / 'runs'} holds files no bench script "
+                    f"wrote, and a run empties its --out-dir: give a new or empty folder")
+    assert sorted(os.listdir(tmp_path)) == ["mine.txt", "model", "out", "runs"]
+    assert os.listdir(tmp_path / "runs") == ["notes.txt"]
+
+
+def test_bench_flags_that_cannot_work_are_one_line_before_anything_runs(tmp_path, monkeypatch):
+    """A model gpu_bench.py has no config for (a KeyError after the models before it had run), no
+    reference server or no training GPU in the step model and the memory table (ZeroDivisionError),
+    and trl_compare.py's --micro-batches, --size and --baseline, said before the TRL venv's
+    install."""
+    assert refusal("bench/gpu_bench.py", "--models", "qwen2.5-0.5b,qwen2.5-7b") == (
+        "gpu_bench: --models qwen2.5-0.5b,qwen2.5-7b: no config named qwen2.5-7b (known: "
+        "qwen2.5-0.5b, qwen2.5-1.5b, tiny)")
+    assert refusal("bench/step_model.py", "--ref-servers", "0") == \
+        "step_model.py: --ref-servers 0: the model needs 1 or more"
+    assert refusal("bench/memory_table.py", "--gpus", "0", "2") == \
+        "memory_table.py: --gpus 0 2: each must be 1 or more"
+    out = tmp_path / "trl_compare"
+    divide = "must divide a step's 128 completions"
+    for flags, said in ((["--micro-batches", "0"], f"--micro-batches 0: {divide}"),
+                        (["--micro-batches", "3"], f"--micro-batches 3: {divide}"),
+                        (["--size", "foo"], "--size foo: 'demo', or HIDDENxLAYERS"),
+                        (["--size", "100x2"], "--size 100x2: 'demo', or HIDDENxLAYERS")):
+        said_now = refusal("bench/trl_compare.py", "--out-dir", str(out), *flags)
+        assert said_now.startswith(f"trl_compare.py: {said}"), said_now
+    assert not out.exists()
+    # in front for this test alone: bench/generation.py would hide the trainer's in later tests
+    monkeypatch.syspath_prepend(BENCH)
+    from trl_compare import export_commit
+    with pytest.raises(SystemExit, match=r"--baseline no-such-commit: not a commit here \(git: "):
+        export_commit("no-such-commit", str(tmp_path / "baseline"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_trl_compare_time_to_target_counts_the_runs_that_missed_it(monkeypatch):
+    """The median row's time to the target: a run that never reached it counts as later than any
+    that did, so there is a median only where more than half the runs reached it (it was the median
+    of those that did); a run with no evaluation (TRL at --eval-every 0) has no accuracy, where its
+    row was an IndexError."""
+    # in front for this test alone: bench/generation.py would hide the trainer's in later tests
+    monkeypatch.syspath_prepend(BENCH)
+    from trl_compare import last_accuracy, median_time_to
+    assert median_time_to([3.0, 1.0, 2.0]) == 2.0
+    assert median_time_to([3.0, None, 1.0]) == 3.0
+    assert median_time_to([1.0, None, None]) is None
+    assert median_time_to([1.0, 2.0, None, 4.0]) == 3.0
+    assert median_time_to([1.0, 2.0, None, None]) is None
+    assert last_accuracy({"evals": []}) is None
+    assert last_accuracy({"evals": [{"eval/accuracy": 0.1}, {"eval/accuracy": 0.5}]}) == 0.5
+
+
+def test_overlap_report_on_a_metrics_file_it_cannot_read_is_one_line(tmp_path):
+    """A --metrics file that is not there (FileNotFoundError), an empty one (IndexError) and one
+    step (ZeroDivisionError: the steady state starts at step 2)."""
+    (tmp_path / "empty.jsonl").write_text("")
+    row = {"step": 1, "loss": 0.0, "time/elapsed_s": 1.0, "time/wait_s": 0.5,
+           "time/gen_idle_s": 0.0}
+    (tmp_path / "one.jsonl").write_text(json.dumps(row) + "\n")
+    for name, said in (("none.jsonl", ": No such file or directory"),
+                       ("empty.jsonl", " holds 0 step line(s): it needs 2 or more"),
+                       ("one.jsonl", " holds 1 step line(s): it needs 2 or more")):
+        assert refusal("bench/overlap.py", "--metrics", str(tmp_path / name)) == \
+            f"overlap.py: {tmp_path / name}{said}"

@@ -432,6 +432,23 @@ def test_the_demo_names_its_own_flag_when_beta_0_leaves_its_servers_nothing_to_d
     assert not os.listdir(tmp_path)
 
 
+def test_the_demo_refuses_a_file_as_its_folder_and_a_trainers_folder_of_its_own(tmp_path):
+    """--out-dir naming a file (a FileExistsError traceback), and --out-dir after `--`, which sent
+    the trainer's metrics where the demo did not read them: one line each, before anything
+    starts."""
+    notes, demo = tmp_path / "notes.txt", tmp_path / "demo"
+    notes.write_text("")
+    for argv, said in ((["--out-dir", str(notes)], f"--out-dir {notes} is a file, not a folder"),
+                       (["--out-dir", str(demo), "--", "--out-dir", str(tmp_path / "x")],
+                        f"--out-dir after `--` would move the trainer's folder away from the "
+                        f"demo's own ({demo}): give --out-dir before `--`")):
+        p = subprocess.run([sys.executable, "-m", "demo.run_demo", *argv], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert (p.returncode, p.stderr) == (1, f"run_demo: {said}\n"), \
+            p.stdout[-2000:] + p.stderr[-3000:]
+    assert os.listdir(tmp_path) == ["notes.txt"]
+
+
 def test_sigterm_to_another_rank_stops_the_run_as_at_rank_0(tmp_path, tiny_model):
     """A 2-rank launch, SIGTERM to rank 1 alone in the loop: rank 1 passes it on to rank 0, which makes the
     stop: the run finishes the step, saves it, prints the line that continues it (naming SIGTERM) and every

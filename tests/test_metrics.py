@@ -297,6 +297,10 @@ def test_plotting_a_killed_runs_metrics_and_the_mistakes_of_plot_py(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "killed.jsonl")] == [1, 2, 3]
     assert plot(tmp_path / "killed.jsonl", tmp_path / "killed.png") == (0, f"{tmp_path / 'killed.png'}\n", "")
     assert (tmp_path / "killed.png").stat().st_size > 10_000
+    # a name without an extension: matplotlib adds .png, and the line names that file
+    curve = tmp_path / "curve"
+    assert plot(tmp_path / "killed.jsonl", curve) == (0, f"{tmp_path / 'curve.png'}\n", "")
+    assert (tmp_path / "curve.png").exists()
     for argv, said in (((tmp_path / "none.jsonl", tmp_path / "x.png"), f"{tmp_path / 'none.jsonl'}: No such file "
                         "or directory"),
                        ((tmp_path / "killed.jsonl", tmp_path / "x.txt"), f"{tmp_path / 'x.txt'}: no image format "
