@@ -10,7 +10,7 @@ each phase's peak memory.
     python bench/gpu_bench.py --tiny --peak-tflops 0.1         # a smoke run on CPU (tests/test_bench.py)
 
 The models are randomly initialised from hardcoded Qwen2.5 configs (no download; Qwen2.5's vocabulary of
-151,936, the demo's character tokenizer), saved to a temporary folder. Each phase (generate, generate as ours,
+151,936, --tiny's 1,024, the demo's character tokenizer), saved to a temporary folder. Each phase (generate, generate as ours,
 train) runs in a subprocess of its own, one after the other (--tiny: all at once, a smoke run), so its peak
 memory is its own: torch.cuda.max_memory_allocated on GPU (vLLM's KV cache included: it takes --gen-mem of
 the GPU), the process's ru_maxrss on CPU. Generation ignores EOS (a random model), so every completion is
@@ -31,12 +31,19 @@ from functools import partial
 from _common import ROOT, machine, n_params, print_table, random_model, stop_signals_raise
 
 VOCAB = 151936
-CONFIGS = {"qwen2.5-0.5b": dict(hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2),
-           "qwen2.5-1.5b": dict(hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2),
-           # head size 32: the least vLLM's CPU attention takes
-           "tiny": dict(hidden=64, intermediate=128, layers=2, heads=2, kv_heads=2)}
+CONFIGS = {"qwen2.5-0.5b": dict(hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2, vocab=VOCAB),
+           "qwen2.5-1.5b": dict(hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2, vocab=VOCAB),
+           # head size 32: the least vLLM's CPU attention takes; a vocabulary of 1,024, not Qwen's (the char
+           # tokenizer's 100 tokens and fillers): at 151,936 its logits, sampler and tokenizer took a quarter
+           # of the CPU smoke run's CPU time (172 s, 128 s at 1,024)
+           "tiny": dict(hidden=64, intermediate=128, layers=2, heads=2, kv_heads=2, vocab=1024)}
 # --tiny's workload: small enough for CPU, large enough that every number is measured, not rounded to 0
 TINY = dict(prompts=2, group_size=2, prompt_len=8, new_tokens=8, batch=4, micro_batch=2, steps=2)
+
+
+def vocab_of(path):
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)["vocab_size"]
 
 
 def peak_mib(torch):
@@ -80,7 +87,7 @@ def generate(a, path, ours=False):
               skip_tokenizer_init=True, gpu_memory_utilization=a.gen_mem,
               max_model_len=a.prompt_len + a.new_tokens, **extra)
     g = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(0, VOCAB, (a.prompt_len,), generator=g).tolist()}
+    prompts = [{"prompt_token_ids": torch.randint(0, vocab_of(path), (a.prompt_len,), generator=g).tolist()}
                for _ in range(a.prompts)]
     params = lambda n: SamplingParams(n=a.group_size, temperature=1.0, max_tokens=n, ignore_eos=True,
                                       detokenize=False, logprobs=0 if ours else None)
@@ -109,7 +116,7 @@ def train(a, path):
     engine = build_engine(model, os.path.join(ROOT, a.ds_config), lr=1e-6, micro_batch=a.micro_batch)
     dev, B, mb, T = engine.device, a.batch, a.micro_batch, a.new_tokens
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (B, a.prompt_len + T), generator=g).to(dev)
+    ids = torch.randint(0, vocab_of(path), (B, a.prompt_len + T), generator=g).to(dev)
     attn, mask, adv = torch.ones_like(ids), torch.ones(B, T, device=dev), torch.randn(B, generator=g).to(dev)
     with torch.no_grad():   # the batch's "old" log-probs: what the policy gives before the first timed step
         old = torch.cat([completion_logps(engine.module, ids[i:i + mb], attn[i:i + mb], T)
@@ -204,7 +211,7 @@ def main():
     rows = []
     for config in a.models.split(","):
         with tempfile.TemporaryDirectory() as tmp:   # bf16 on GPU (what vLLM and the trainer use there)
-            random_model(tmp, dtype="bfloat16" if torch.cuda.is_available() else "float32", vocab=VOCAB,
+            random_model(tmp, dtype="bfloat16" if torch.cuda.is_available() else "float32",
                          max_len=a.prompt_len + a.new_tokens, **CONFIGS[config])
             r = {"gen_tok_s": "n/a", "ours_tok_s": "n/a", "gen_peak_mib": "n/a"}
             started = []

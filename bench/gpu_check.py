@@ -49,7 +49,7 @@ import threading
 import time
 
 from _common import ROOT, fresh_out_dir, random_model, stop_at_random_lengths, stop_signals_raise
-from gpu_bench import CONFIGS, VOCAB, train_flops
+from gpu_bench import CONFIGS, train_flops
 from plot import step_lines
 
 # The GPU recipe's shape (docs/gpu.md); --tiny: small enough for a CPU, with every stage still run.
@@ -67,11 +67,12 @@ def build_model(path, config, s, gpu):
     """A random model of `config`'s shape with a tokenizer of its vocabulary, whose generation stops with
     probability about 2 / max_new_tokens per token (the module docstring says why)."""
     from demo.tiny_model import build_tokenizer
-    random_model(path, dtype="bfloat16" if gpu else "float32", vocab=VOCAB,
+    vocab = CONFIGS[config]["vocab"]
+    random_model(path, dtype="bfloat16" if gpu else "float32",
                  max_len=s["max_prompt_len"] + s["max_new_tokens"], **CONFIGS[config])
-    tok = build_tokenizer(size=VOCAB)
+    tok = build_tokenizer(size=vocab)
     tok.save_pretrained(path)
-    stop_at_random_lengths(path, tok.eos_token_id, tok.pad_token_id, VOCAB, s["max_new_tokens"])
+    stop_at_random_lengths(path, tok.eos_token_id, tok.pad_token_id, vocab, s["max_new_tokens"])
 
 
 def layout(gpus):

@@ -28,7 +28,7 @@ import tempfile
 import time
 
 from _common import ROOT, machine, print_table, random_config, random_model, timed
-from gpu_bench import CONFIGS, VOCAB
+from gpu_bench import CONFIGS
 
 
 def shapes(config):
@@ -36,7 +36,7 @@ def shapes(config):
     import torch
     from transformers import Qwen2ForCausalLM
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(random_config(vocab=VOCAB, **CONFIGS[config])[0])
+        model = Qwen2ForCausalLM(random_config(**CONFIGS[config])[0])
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
@@ -47,7 +47,7 @@ def part_ref(a, config, device):
     from ref_server import compute_logps, load_model
     with tempfile.TemporaryDirectory() as tmp, open(os.path.join(tmp, "server.log"), "w+") as log:
         path = random_model(os.path.join(tmp, "m"), dtype="bfloat16" if device != "cpu" else "float32",
-                            vocab=VOCAB, max_len=a.prompt_len + a.completion_len, **CONFIGS[config])
+                            max_len=a.prompt_len + a.completion_len, **CONFIGS[config])
         url = f"http://127.0.0.1:{free_port()}"
         proc = subprocess.Popen([sys.executable, "ref_server.py", "--model", path, "--device", device,
                                  "--port", url.rsplit(":", 1)[1]], cwd=ROOT, stdout=log,
@@ -65,8 +65,9 @@ def part_ref(a, config, device):
                 raise SystemExit("gpu_transfer: ref_server.py did not come up in 300 s (its log is "
                                  "above)")
             rng = random.Random(0)
-            prompts = [[rng.randrange(VOCAB) for _ in range(a.prompt_len)] for _ in range(a.seqs)]
-            completions = [[rng.randrange(VOCAB) for _ in range(a.completion_len)] for _ in range(a.seqs)]
+            vocab = CONFIGS[config]["vocab"]
+            prompts = [[rng.randrange(vocab) for _ in range(a.prompt_len)] for _ in range(a.seqs)]
+            completions = [[rng.randrange(vocab) for _ in range(a.completion_len)] for _ in range(a.seqs)]
             remote = lambda: ref_logps(url, prompts, completions, 1.0, retry_for=0, timeout=600)
             remote()   # warm-up: CUDA kernels load on first use
             t_remote = timed(remote, a.reps)[0]
