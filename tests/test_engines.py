@@ -396,6 +396,46 @@ def rank_zero_watching(*engines):
     return gen
 
 
+def _engine_answering_once(port, told):
+    """An engine that joins the weight group, then sends its one tensor once the file `told` is there."""
+    import weight_transfer
+    group = weight_transfer.gloo_group("127.0.0.1", port, 1, 2)
+    while not os.path.exists(told):
+        time.sleep(0.05)
+    group.send([torch.ones(1)], 0, 0).wait()
+    time.sleep(3600)
+
+
+def test_a_death_seen_mid_push_ends_the_pushs_thread_before_the_run_ends(tmp_path):
+    """A death check_alive reports while the push's thread is inside gloo (here: the reference server rank 0
+    started, dead; the push, a receive from an engine that answers only once told to): the SystemExit goes on
+    only once the thread has left gloo, and the weight group is aborted. A thread returning from gloo as the
+    interpreter exits aborted rank 0 ("terminate called without an active exception", exit code -6, after
+    its one line)."""
+    import multiprocessing
+    import weight_transfer
+    port, told = next_port(), tmp_path / "send"
+    engine = multiprocessing.get_context("spawn").Process(target=_engine_answering_once, args=(port, str(told)),
+                                                          daemon=True)
+    engine.start()
+    try:
+        group = weight_transfer.gloo_group("127.0.0.1", port, 0, 2)
+        gen = rank_zero_watching()
+        gen.transfer = weight_transfer.GlooTrainerWeightTransferEngine.__new__(
+            weight_transfer.GlooTrainerWeightTransferEngine)
+        gen.transfer.group = group
+        gen.pushing = weight_transfer.run_on_thread(lambda: group.recv([torch.zeros(1)], 1, 0).wait())
+        assert not gen.pushing.join(0.5)   # in gloo: the engine sends nothing until told
+        gen.ref_server = subprocess.Popen([sys.executable, "-c", "pass"])
+        gen.ref_server.wait()
+        told.touch()
+        with pytest.raises(SystemExit, match=r"the reference server this run started died \(exit code 0\)"):
+            gen.check_alive()
+        assert not gen.pushing.is_alive() and gen.transfer is None
+    finally:
+        engine.kill()
+
+
 def _engine_slow_to_start(control, answers, start_s, store_s):
     """An engine whose vLLM takes start_s to start (an engine reads its queue only once it has), then joins the
     weight group as the gloo engine does, under a rendezvous store that waits store_s."""
