@@ -10,13 +10,13 @@ each phase's peak memory.
     python bench/gpu_bench.py --tiny --peak-tflops 0.1         # a smoke run on CPU (tests/test_bench.py)
 
 The models are randomly initialised from hardcoded Qwen2.5 configs (no download; Qwen2.5's vocabulary of
-151,936, --tiny's 1,024, the demo's character tokenizer), saved to a temporary folder. Each phase (generate, generate as ours,
-train) runs in a subprocess of its own, one after the other (--tiny: all at once, a smoke run), so its peak
-memory is its own: torch.cuda.max_memory_allocated on GPU (vLLM's KV cache included: it takes --gen-mem of
-the GPU), the process's ru_maxrss on CPU. Generation ignores EOS (a random model), so every completion is
---new-tokens long. MFU = the step's model FLOPs (train_flops) per second / peak FLOP/s (--peak-tflops,
-default 989 = H100 SXM dense bf16; n/a on CPU unless given). --no-gen skips the generation phases (their
-columns read n/a).
+151,936, --tiny's 1,024, the demo's character tokenizer), saved to a temporary folder. Each phase (generate,
+generate as ours, train) runs in a subprocess of its own, one after the other (--tiny: all at once, a smoke
+run), so its peak memory is its own: torch.cuda.max_memory_allocated on GPU (vLLM's KV cache included: it takes
+--gen-mem of the GPU), the process's ru_maxrss on CPU. Generation ignores EOS (a random model), so every
+completion is --new-tokens long. MFU = the step's model FLOPs (train_flops) per second / peak FLOP/s
+(--peak-tflops, default 989 = H100 SXM dense bf16; n/a on CPU unless given). --no-gen skips the generation
+phases (their columns read n/a).
 """
 import argparse
 import json
@@ -34,8 +34,8 @@ VOCAB = 151936
 CONFIGS = {"qwen2.5-0.5b": dict(hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2, vocab=VOCAB),
            "qwen2.5-1.5b": dict(hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2, vocab=VOCAB),
            # head size 32: the least vLLM's CPU attention takes; a vocabulary of 1,024, not Qwen's (the char
-           # tokenizer's 100 tokens and fillers): at 151,936 its logits, sampler and tokenizer took a quarter
-           # of the CPU smoke run's CPU time (172 s, 128 s at 1,024)
+           # tokenizer's 100 tokens and fillers): at 151,936 its logits, sampler and tokenizer made the CPU
+           # smoke run (gpu_check.py --tiny) take 177 s of CPU, 152 s at 1,024
            "tiny": dict(hidden=64, intermediate=128, layers=2, heads=2, kv_heads=2, vocab=1024)}
 # --tiny's workload: small enough for CPU, large enough that every number is measured, not rounded to 0
 TINY = dict(prompts=2, group_size=2, prompt_len=8, new_tokens=8, batch=4, micro_batch=2, steps=2)
