@@ -224,8 +224,8 @@ class GenerationProcess:
             raise
 
     def _abort_push(self, thread):
-        """`thread` (a push, or its set-up) given 10 s to end, then the weight group aborted: a thread returning
-        from gloo as the interpreter exits aborts the process ("terminate called without an active exception")."""
+        """A push's `thread` given 10 s to end (not a set-up's: a dead engine never joins), then the weight group
+        aborted: a thread leaving gloo as the interpreter exits aborts it ("terminate called without an active ...")."""
         if thread is not None:
             # Thread's own join: run_on_thread's raises the error the thread met
             threading.Thread.join(thread, 10)
@@ -274,7 +274,7 @@ class GenerationProcess:
         from weight_transfer import run_on_thread
         return self._wait_for(run_on_thread(fn, *args))
 
-    def _wait_for(self, thread):
+    def _wait_for(self, thread, push=False):
         """Until `thread` (weight_transfer.run_on_thread) ends, checking every 50 ms that every engine lives ->
         its value. On an error the weight group is aborted: a transfer cut short leaves it unusable."""
         try:
@@ -289,7 +289,7 @@ class GenerationProcess:
                         proc.join(timeout=5 / len(self.procs))
                     self.check_alive()
             finally:
-                self._abort_push(thread)
+                self._abort_push(thread if push else None)
             raise
         return thread.value
 
@@ -297,7 +297,7 @@ class GenerationProcess:
         """Wait for the push in flight, if any: rank 0 sends the engines nothing else while one is."""
         if self.pushing is not None:
             pushing, self.pushing = self.pushing, None
-            self._wait_for(pushing)
+            self._wait_for(pushing, push=True)
 
     def push_weights(self, engine, completion_logps, *, evaluate, step):
         """Send the weights this step left by vLLM's weight-transfer API, with the trainer's log-probs of the probe
