@@ -216,7 +216,7 @@ class GenerationProcess:
         return next((i for i, p in enumerate(self.procs) if p.pid is not None and not p.is_alive()), None)
 
     def check_alive(self):
-        """SystemExit naming what died, if anything did, with a push in flight cut off first."""
+        """SystemExit naming what died, if anything did, once a push in flight has had its chance to end."""
         try:
             self._check_alive()
         except SystemExit:
