@@ -27,6 +27,13 @@ def demo_model(path=None):
     return DEMO_MODEL
 
 
+def model_given(path, script):
+    """--model `path` if it holds a model (its config.json), else one line: the demo's is built by make demo."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"{script}: --model {path} holds no model (make demo builds runs/demo/model)")
+    return path
+
+
 def random_config(hidden, layers, heads, kv_heads=None, intermediate=None, vocab=None, max_len=4096):
     """A Qwen2 config (tied embeddings); vocab defaults to the demo's character tokenizer's."""
     from transformers import Qwen2Config

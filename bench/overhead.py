@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from _common import fresh_out_dir
+from _common import fresh_out_dir, model_given
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -110,9 +110,7 @@ def main():
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     a.model = os.path.abspath(a.model)
     out = os.path.abspath(a.out_dir)
-    if not os.path.isfile(os.path.join(a.model, "config.json")):
-        raise SystemExit(f"overhead.py: --model {a.model} holds no model (make demo builds "
-                         f"runs/demo/model)")
+    model_given(a.model, "overhead.py")
     # the steady state: steps --warm-steps .. --steps - 1 (the last waits for the final evaluation)
     if not 1 <= a.warm_steps < a.steps - 1:
         raise SystemExit(f"overhead.py: --warm-steps {a.warm_steps} leaves no steady state in "

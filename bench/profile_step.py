@@ -29,7 +29,7 @@ import time
 
 import psutil
 
-from _common import fresh_out_dir, stop_signals_raise
+from _common import fresh_out_dir, model_given, stop_signals_raise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,9 +142,7 @@ def main(argv=None):
                    help="the run and the raw py-spy files (emptied first: new, empty, or a bench "
                         "script's)")
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    if not os.path.isfile(os.path.join(a.model, "config.json")):
-        raise SystemExit(f"profile_step.py: --model {a.model} holds no model (make demo builds "
-                         f"runs/demo/model)")
+    model_given(a.model, "profile_step.py")
     out = fresh_out_dir(a.out_dir, "profile_step.py", keep=[a.model])
     stop_signals_raise()
     metrics = os.path.join(out, "metrics.jsonl")
