@@ -67,9 +67,9 @@ from rewards import parse_reward_spec
 
 
 def engine_positions(data_pos, engines):
-    """The saved data position (an int before several engines, or one per engine) -> one per engine. Resumed
-    with another number of engines, each starts after the furthest one: what the engines behind had not
-    reached is skipped (nothing without --max-gen-rounds, where every engine draws as many blocks)."""
+    """The saved data position (an int before several engines, or one per engine) -> one per engine. Resumed with
+    another number of engines, each starts after the furthest one: what the engines behind had not reached is skipped
+    (nothing without --max-gen-rounds, where every engine draws as many blocks)."""
     saved = data_pos if isinstance(data_pos, list) else [data_pos]
     return saved if len(saved) == engines else [max(saved)] * engines
 
@@ -211,23 +211,23 @@ class GenerationProcess:
         self.starts = []
 
     def _dead_engine(self):
-        """The index of an engine whose process has ended, or None (an engine on a training GPU has no process
-        before the first push)."""
+        """The index of an engine whose process has ended, or None (one on a training GPU starts at its first push)."""
         return next((i for i, p in enumerate(self.procs) if p.pid is not None and not p.is_alive()), None)
 
     def check_alive(self):
-        """SystemExit naming what died, if anything did, once a push in flight has had its chance to end."""
+        """SystemExit naming what died, once a push in flight had 10 s to end (one _wait_for watches: there)."""
         try:
             self._check_alive()
         except SystemExit:
-            self._abort_push(self.pushing)
+            if self.pushing is not None:
+                self._abort_push(self.pushing)
             raise
 
     def _abort_push(self, thread):
         """A push's `thread` given 10 s to end (not a set-up's: a dead engine never joins), then the weight group
-        aborted: a thread leaving gloo as the interpreter exits aborts it ("terminate called without an active ...")."""
+        aborted: a thread leaving gloo as the interpreter exits aborts it ("terminate called without an active ...").
+        Thread's own join: run_on_thread's raises the error the thread met."""
         if thread is not None:
-            # Thread's own join: run_on_thread's raises the error the thread met
             threading.Thread.join(thread, 10)
         if self.transfer is not None:
             self.transfer.shutdown()
@@ -275,8 +275,8 @@ class GenerationProcess:
         return self._wait_for(run_on_thread(fn, *args))
 
     def _wait_for(self, thread, push=False):
-        """Until `thread` (weight_transfer.run_on_thread) ends, checking every 50 ms that every engine lives ->
-        its value. On an error the weight group is aborted: a transfer cut short leaves it unusable."""
+        """Until `thread` (weight_transfer.run_on_thread) ends, checking every 50 ms that every engine lives -> its
+        value. On an error the weight group is aborted: a transfer cut short leaves it unusable."""
         try:
             while not thread.join(0.05):
                 self.check_alive()
