@@ -1,5 +1,6 @@
 """Helpers shared by bench/generation.py, ref_overhead.py, weight_sync.py, overlap.py, gpu_bench.py,
 gpu_check.py, trl_compare.py and the scripts that start processes or empty an --out-dir."""
+import contextlib
 import os
 import platform
 import shutil
@@ -7,6 +8,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,6 +18,9 @@ DEMO_MODEL = os.path.join(ROOT, "runs", "bench", "demo_model")
 OUT_DIR_MARK = ".bench-out-dir"
 # a bigger random model for "not all overhead" measurements: Qwen2 shape, 4 layers of width 1024, head size 64
 BIG = dict(hidden=1024, layers=4, heads=16)
+# how long a run stopped by run_to_end has to end before it is killed: demo/run_demo.py gives the launcher's
+# group 90 s after a stop (the ranks finish the step and save it), then each of its reference servers 30 s
+STOP_WAIT = 150
 
 
 def demo_model(path=None):
@@ -106,6 +111,70 @@ def stop_signals_raise():
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) != signal.SIG_IGN:
             signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+
+
+def run_to_end(cmd, log, script, what, stamp=None, **popen_kw):
+    """Run `cmd` (demo/run_demo.py, the deepspeed launcher, a script's own child) until it ends, its stdout
+    and stderr into the file `log`, each line prefixed with the seconds since `stamp` (a time.time()) as it
+    comes, where given. An exit code other than 0 is one line naming `script`, `what` (e.g. "the demo run")
+    and the log.
+    The run gets a session of its own, so a terminal's Ctrl-C reaches this script alone: anything that ends
+    the wait (Ctrl-C; SIGTERM or SIGHUP after stop_signals_raise; an error) is passed on once, as SIGTERM to
+    the run's process group, which demo/run_demo.py and the launcher take as a stop of everything they
+    started; a second is passed on too (run_demo: stop at once). The run is waited for, STOP_WAIT seconds at
+    most, then killed with every process under it and the process groups they lead (the launcher's), and
+    the exception goes on."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f if stamp is None else subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True, **popen_kw)
+        copy = None
+        if stamp is not None:   # a thread of its own, so the lines of a run that is stopping still come
+            copy = threading.Thread(target=stamped, args=(proc.stdout, f, stamp), daemon=True)
+            copy.start()
+        try:
+            proc.wait()
+        except BaseException:
+            deadline = time.time() + STOP_WAIT
+            while proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):   # it ended meanwhile
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.time()))
+                except subprocess.TimeoutExpired:
+                    kill_all_under(proc)
+                except BaseException:   # a second stop, passed on
+                    continue
+            raise
+        finally:
+            if copy is not None:
+                copy.join(timeout=10)   # the last lines; a process still holding the pipe is not waited for
+    if proc.returncode:
+        raise SystemExit(f"{script}: {what} failed (exit code {proc.returncode}); its log: {log}")
+
+
+def stamped(pipe, f, stamp):
+    """Each line from `pipe` into the file `f`, prefixed with the seconds since `stamp`, until the pipe ends
+    (or `f` is closed)."""
+    with contextlib.suppress(ValueError):   # f closed
+        for raw in pipe:
+            f.write(f"[{time.time() - stamp:7.2f}s] {raw.decode(errors='replace').rstrip()}\n")
+
+
+def kill_all_under(proc):
+    """SIGKILL to Popen `proc`, every process under it and every process group one of them leads; then
+    collect it."""
+    import psutil
+    with contextlib.suppress(psutil.Error):   # it ended meanwhile
+        top = psutil.Process(proc.pid)
+        under = [top, *top.children(recursive=True)]
+        for p in under:
+            with contextlib.suppress(ProcessLookupError):
+                if os.getpgid(p.pid) == p.pid:
+                    os.killpg(p.pid, signal.SIGKILL)
+        for p in under:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    proc.wait()
 
 
 def fresh_out_dir(given, script, keep=()):

@@ -18,11 +18,10 @@ training on two cores it can be below 1.0; above 1.0 is overhead that the pipeli
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
-from _common import fresh_out_dir, model_given
+from _common import fresh_out_dir, model_given, run_to_end, stop_signals_raise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -32,11 +31,7 @@ def system_run(a, extra, out):
     """-> wall seconds per step of the real system, steps a.warm_steps .. a.steps - 1."""
     cmd = [sys.executable, "-m", "demo.run_demo", "--model", a.model, "--out-dir", out, "--steps", str(a.steps),
            "--eval-every", str(10 * a.steps), "--", *extra]
-    with open(os.path.join(out, "stdout.log"), "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
-    if rc:
-        raise SystemExit(f"overhead.py: the system run failed (exit code {rc}); its log: "
-                         f"{log.name}")
+    run_to_end(cmd, os.path.join(out, "stdout.log"), "overhead.py", "the system run", cwd=ROOT)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         el = {r["step"]: r["time/elapsed_s"] for r in map(json.loads, f) if "time/train_s" in r}
     end = a.steps - 1   # the last step also waits for the final evaluation
@@ -115,19 +110,22 @@ def main():
     if not 1 <= a.warm_steps < a.steps - 1:
         raise SystemExit(f"overhead.py: --warm-steps {a.warm_steps} leaves no steady state in "
                          f"--steps {a.steps}: give 1 <= --warm-steps < --steps - 1")
+    result = os.path.join(out, "alone.json")   # the pure-compute run's phases, from its child
     if a.alone:
-        print("RESULT " + json.dumps(alone(a, extra, os.path.join(out, "alone"))))
+        phases = alone(a, extra, os.path.join(out, "alone"))
+        with open(result, "w") as f:
+            json.dump(phases, f)
         return
     fresh_out_dir(a.out_dir, "overhead.py", keep=[a.model])
     os.makedirs(os.path.join(out, "alone"))
+    # SIGTERM and SIGHUP stop the run going as Ctrl-C does (run_to_end)
+    stop_signals_raise()
     wall = system_run(a, extra, out)
-    child = subprocess.run([sys.executable, __file__, "--alone", "--model", a.model, "--steps", str(a.steps),
-                            "--warm-steps", str(a.warm_steps), "--out-dir", out, "--", *extra],
-                           cwd=ROOT, capture_output=True, text=True)
-    lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
-    if child.returncode or not lines:
-        raise SystemExit(f"the pure-compute run failed:\n{child.stderr[-3000:]}")
-    phases = json.loads(lines[-1][7:])
+    run_to_end([sys.executable, __file__, "--alone", "--model", a.model, "--steps", str(a.steps), "--warm-steps",
+                str(a.warm_steps), "--out-dir", out, "--", *extra], os.path.join(out, "alone.log"), "overhead.py",
+               "the pure-compute run", cwd=ROOT)
+    with open(result) as f:
+        phases = json.load(f)
     compute = sum(phases.values())
     print(f"model {a.model}; steps {a.warm_steps}-{a.steps - 1}; extra flags {extra or 'none'}\n")
     print("| what | ms per step |\n| --- | --- |")

@@ -14,11 +14,10 @@ The per-step means below the table say where a step's time goes.
 """
 import argparse
 import os
-import subprocess
 import sys
 from statistics import fmean
 
-from _common import ROOT, demo_model, machine, print_table
+from _common import ROOT, demo_model, machine, print_table, run_to_end, stop_signals_raise
 from plot import BadLine, step_lines
 
 
@@ -31,12 +30,8 @@ def run_demo(a):
     os.makedirs(out, exist_ok=True)   # with --model nothing else made runs/bench
     if os.path.exists(os.path.join(out, "metrics.jsonl")):
         os.remove(os.path.join(out, "metrics.jsonl"))   # a fresh run, not a continuation
-    with open(os.path.join(ROOT, "runs", "bench", "overlap.log"), "w") as log:
-        print(f"running {' '.join(cmd)} (log: runs/bench/overlap.log)", flush=True)
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
-    if rc:
-        raise SystemExit(f"overlap.py: the demo run failed (exit code {rc}); its log: "
-                         f"runs/bench/overlap.log")
+    print(f"running {' '.join(cmd)} (log: runs/bench/overlap.log)", flush=True)
+    run_to_end(cmd, os.path.join(ROOT, "runs", "bench", "overlap.log"), "overlap.py", "the demo run", cwd=ROOT)
     return os.path.join(out, "metrics.jsonl")
 
 
@@ -49,6 +44,8 @@ def main():
     p.add_argument("--gen-devices", help="grpo_train.py --gen-devices for the demo run, e.g. 0,1 (two engines)")
     p.add_argument("--ref-servers", type=int, default=1, help="reference servers of the demo run")
     a = p.parse_args()
+    # SIGTERM and SIGHUP stop the demo run as Ctrl-C does (run_to_end)
+    stop_signals_raise()
     path = a.metrics or run_demo(a)
     try:
         rows = step_lines(path)

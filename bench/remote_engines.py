@@ -29,7 +29,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # vLLM's sampler helpers eager, in this process's engine and the servers, as in docs/gpu.md's CPU line and a
 # CPU engine's process (engine_process.engine_environment)
 os.environ["TORCHDYNAMO_DISABLE"] = "1"
-from _common import ROOT, demo_model, machine, print_table, stop_signals_raise  # noqa: E402
+from _common import ROOT, demo_model, machine, print_table, run_to_end, stop_signals_raise  # noqa: E402
 
 OUT = os.path.join(ROOT, "runs", "bench", "remote_engines")
 SERVER_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "64", "--logprobs-mode",
@@ -76,10 +76,9 @@ def run(model, name, steps, engines_flags):
            "--out-dir", out, "--steps", str(steps), "--eval-every", str(steps), "--seed", "0", "--overwrite",
            *TRAIN_FLAGS, *engines_flags]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    with open(os.path.join(OUT, f"{name}.log"), "w") as log:
-        print(f"running {name}: {' '.join(cmd[5:])}", flush=True)
-        subprocess.run(cmd, cwd=ROOT, env={**env, "DS_ACCELERATOR": "cpu"}, stdout=log, stderr=subprocess.STDOUT,
-                       check=True)
+    print(f"running {name}: {' '.join(cmd[5:])}", flush=True)
+    run_to_end(cmd, os.path.join(OUT, f"{name}.log"), "remote_engines.py", f"the {name} run", cwd=ROOT,
+               env={**env, "DS_ACCELERATOR": "cpu"})
     return step_lines(os.path.join(out, "metrics.jsonl"))
 
 
@@ -128,7 +127,8 @@ def main():
     model = os.path.abspath(demo_model(a.model))
     os.makedirs(OUT, exist_ok=True)
     load = os.getloadavg()[0]
-    # a stop (SIGTERM, Ctrl-C) or a server dying at its start ends the servers (the `finally`)
+    # a stop (SIGTERM, Ctrl-C) or a server dying at its start ends the servers (the `finally`) and the run going
+    # (run_to_end)
     stop_signals_raise()
     procs = []
     try:

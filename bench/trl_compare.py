@@ -201,15 +201,6 @@ class Tail(threading.Thread):
             time.sleep(0.05)
 
 
-def run_stamped(cmd, t0, path, **kw):
-    """Run cmd with stdout+stderr into path, each line prefixed with seconds since t0 (start-up profile)."""
-    with open(path, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
-        for raw in proc.stdout:
-            logf.write(f"[{time.time() - t0:7.2f}s] {raw.decode(errors='replace').rstrip()}\n")
-        return proc.wait()
-
-
 def ours_train_clock(steps):
     """Training seconds at the end of each of our steps: the trainer's time since step 1 began, where step 1
     counts its batch's generation, reference, training and push, not the wait for vLLM's start-up and the
@@ -225,6 +216,7 @@ def run_ours(a, model, out, root=ROOT):
     """demo/run_demo.py with our prebuilt model: reference server + deepspeed launcher + grpo_train.py + vLLM.
     root: the copy of this repository to run (--baseline: an earlier commit's)."""
     import shutil
+    from _common import run_to_end
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     cmd = [sys.executable, "-m", "demo.run_demo", "--model", model, "--out-dir", out, "--steps", str(a.steps),
@@ -239,12 +231,11 @@ def run_ours(a, model, out, root=ROOT):
     t0 = time.time()
     tail = Tail(os.path.join(out, "metrics.jsonl"), t0)
     tail.start()
-    rc = run_stamped(cmd, t0, os.path.join(out, "stdout.log"), cwd=root)
+    # its log's lines stamped with the seconds since launch (a start-up profile)
+    run_to_end(cmd, os.path.join(out, "stdout.log"), "trl_compare.py", "our run", stamp=t0, cwd=root)
     wall = time.time() - t0
     tail.stop.set()
     tail.join()
-    if rc != 0:
-        raise SystemExit(f"[ours] failed (exit {rc}); see {os.path.join(out, 'stdout.log')}")
     rows = tail.rows
     steps = [r for r in rows if "time/train_s" in r]
     clock = ours_train_clock(steps)
@@ -259,6 +250,7 @@ def run_ours(a, model, out, root=ROOT):
 
 def run_trl(a, model, out, backend):
     import shutil
+    from _common import run_to_end
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     log = os.path.join(out, "log.jsonl")
@@ -274,10 +266,8 @@ def run_trl(a, model, out, backend):
     load, cpu0 = os.getloadavg()[0], children_cpu()
     t0 = time.time()
     env["BENCH_T0"] = repr(t0)
-    rc = run_stamped(cmd, t0, os.path.join(out, "stdout.log"), cwd=ROOT, env=env)
+    run_to_end(cmd, os.path.join(out, "stdout.log"), "trl_compare.py", "TRL's run", stamp=t0, cwd=ROOT, env=env)
     wall = time.time() - t0
-    if rc != 0:
-        raise SystemExit(f"[trl] failed (exit {rc}); see {os.path.join(out, 'stdout.log')}")
     with open(log) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     ready = next(r for r in rows if r.get("event") == "ready")
@@ -478,6 +468,9 @@ def main(argv=None):
     # said at once, not after the TRL venv's install and the runs before it
     if problem := flag_problem(a):
         raise SystemExit(f"trl_compare.py: {problem}")
+    # SIGTERM and SIGHUP stop the run going as Ctrl-C does (_common.run_to_end)
+    from _common import stop_signals_raise
+    stop_signals_raise()
     out = os.path.abspath(a.out_dir)
     os.makedirs(out, exist_ok=True)
     a.trl_venv = os.path.abspath(a.trl_venv)

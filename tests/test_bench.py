@@ -1,13 +1,17 @@
 """The benchmarks stay runnable: the GPU check's tiny CPU mode end to end (gpu_bench.py with real vLLM and
 real DeepSpeed, then a short GRPO run), the MFU formula's arithmetic, the overlap report's arithmetic on a
 metrics file whose answer is known, the padding count on GSM8K lengths, the step-time model's arithmetic,
-and every bench and tools script's --help, printed before torch is imported."""
+every bench and tools script's --help, printed before torch is imported, and a bench script stopped with
+Ctrl-C stopping the demo run it started."""
+import contextlib
 import json
 import os
 import re
 import runpy
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -242,3 +246,81 @@ def test_overlap_report_on_a_metrics_file_it_cannot_read_is_one_line(tmp_path):
                        ("one.jsonl", " holds 1 step line(s): it needs 2 or more")):
         assert refusal("bench/overlap.py", "--metrics", str(tmp_path / name)) == \
             f"overlap.py: {tmp_path / name}{said}"
+
+
+def test_ctrl_c_to_a_bench_script_alone_stops_the_demo_it_started(tmp_path, tiny_model):
+    """Ctrl-C to overhead.py alone (`kill -INT`, not to its terminal's group) once its demo run has started
+    the trainer: the script passes the stop on to demo/run_demo.py, which stops every process it started,
+    the deepspeed launcher's session included, and the script exits. subprocess.run SIGKILLed run_demo
+    0.25 s after a Ctrl-C, before it had stopped anything, and the launch ran on."""
+    import psutil
+    from conftest import running, sigkill_group
+    out = tmp_path / "out"
+    log = open(tmp_path / "bench.log", "w")
+    proc = subprocess.Popen([sys.executable, "bench/overhead.py", "--model", tiny_model, "--out-dir", str(out),
+                             "--steps", "100000", "--warm-steps", "1"], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    groups = {proc.pid}   # the script's, and the group of each process under it (the launcher's session)
+
+    def under_it():
+        """The processes under the script, each with its command line (those that end meanwhile left out)."""
+        found = []
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                found.append((p, " ".join(p.cmdline())))
+        return found
+
+    def left():
+        found = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, ProcessLookupError):   # it ended while we looked
+                if os.getpgid(p.pid) in groups and running(p):
+                    found.append(" ".join(p.cmdline())[:100])
+        return found
+    try:
+        deadline = time.time() + 300
+        while not any("grpo_train.py --local_rank" in cmd and f" {out} " in cmd for _, cmd in under_it()):
+            assert proc.poll() is None and time.time() < deadline, open(log.name).read()[-3000:]
+            time.sleep(0.2)
+        for p, _ in under_it():
+            with contextlib.suppress(ProcessLookupError):
+                groups.add(os.getpgid(p.pid))
+        assert len(groups) >= 2   # the launcher runs in a session of its own
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == -signal.SIGINT, open(log.name).read()[-3000:]
+        deadline = time.time() + 60
+        while (running_now := left()) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not running_now
+    finally:
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):
+                sigkill_group(group)
+        proc.wait()
+
+
+def test_a_run_that_outlives_its_stop_is_killed_with_what_it_started(tmp_path):
+    """_common.run_to_end, with plain processes: a run that ignores the SIGTERM a Ctrl-C is passed on as is
+    killed STOP_WAIT seconds later, with the process it started in a session of its own, and the Ctrl-C goes
+    on; a run that fails is one line naming the script, its exit code and its log."""
+    import psutil
+    pids = tmp_path / "pids"
+    driver = ("import sys; sys.path.insert(0, 'bench'); import _common; _common.STOP_WAIT = 2; "
+              "_common.run_to_end(sys.argv[2:], sys.argv[1], 'bench', 'the run')")
+    log = str(tmp_path / "run.log")
+    ignores = f'trap "" TERM; setsid sleep 1000 & echo $! > {pids}; sleep 1000 & echo $! >> {pids}; wait'
+    proc = subprocess.Popen([sys.executable, "-c", driver, log, "sh", "-c", ignores], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not pids.exists() or len(pids.read_text().split()) < 2:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    run = psutil.Process(proc.pid).children() + [psutil.Process(int(pid)) for pid in pids.read_text().split()]
+    asked = time.time()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == -signal.SIGINT and "KeyboardInterrupt" in proc.stderr.read()
+    assert time.time() - asked >= 2 and len(run) == 3
+    assert not [p for p in run if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    failed = subprocess.run([sys.executable, "-c", driver, log, "sh", "-c", "exit 3"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert (failed.returncode, failed.stderr) == (1, f"bench: the run failed (exit code 3); its log: {log}\n")
