@@ -119,11 +119,8 @@ def run_to_end(cmd, log, script, what, stamp=None, **popen_kw):
     comes, where given. An exit code other than 0 is one line naming `script`, `what` (e.g. "the demo run")
     and the log.
     The run gets a session of its own, so a terminal's Ctrl-C reaches this script alone: anything that ends
-    the wait (Ctrl-C; SIGTERM or SIGHUP after stop_signals_raise; an error) is passed on once, as SIGTERM to
-    the run's process group, which demo/run_demo.py and the launcher take as a stop of everything they
-    started; a second is passed on too (run_demo: stop at once). The run is waited for, STOP_WAIT seconds at
-    most, then killed with every process under it and the process groups they lead (the launcher's), and
-    the exception goes on."""
+    the wait (Ctrl-C; SIGTERM or SIGHUP after stop_signals_raise; an error) stops the run (stop_run), and the
+    exception goes on."""
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f if stamp is None else subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True, **popen_kw)
@@ -134,22 +131,30 @@ def run_to_end(cmd, log, script, what, stamp=None, **popen_kw):
         try:
             proc.wait()
         except BaseException:
-            deadline = time.time() + STOP_WAIT
-            while proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):   # it ended meanwhile
-                    os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=max(0.0, deadline - time.time()))
-                except subprocess.TimeoutExpired:
-                    kill_all_under(proc)
-                except BaseException:   # a second stop, passed on
-                    continue
+            stop_run(proc)
             raise
         finally:
             if copy is not None:
                 copy.join(timeout=10)   # the last lines; a process still holding the pipe is not waited for
     if proc.returncode:
         raise SystemExit(f"{script}: {what} failed (exit code {proc.returncode}); its log: {log}")
+
+
+def stop_run(proc):
+    """Stop Popen `proc`, started in a session of its own (demo/run_demo.py, the deepspeed launcher): SIGTERM to
+    its process group, which both take as a stop of everything they started; a second stop here is passed on
+    too (run_demo: stop at once). Waited for STOP_WAIT seconds at most, then it is killed with every process
+    under it and the process groups they lead (the launcher's)."""
+    deadline = time.time() + STOP_WAIT
+    while proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):   # it ended meanwhile
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            kill_all_under(proc)
+        except BaseException:   # a second stop, passed on
+            continue
 
 
 def stamped(pipe, f, stamp):

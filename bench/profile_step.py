@@ -29,7 +29,7 @@ import time
 
 import psutil
 
-from _common import fresh_out_dir, model_given, stop_signals_raise
+from _common import fresh_out_dir, model_given, stop_run, stop_signals_raise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -151,7 +151,9 @@ def main(argv=None):
     # this run's processes, not another run's: their command lines name its folder
     ours = lambda c: f" {out} " in f" {c} "
     with open(os.path.join(out, "stdout.log"), "w") as log:
-        demo, spies = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), {}
+        # a session of its own: a terminal's Ctrl-C reaches this script, which stops the demo once
+        demo, spies = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True), {}
         try:
             rank = lambda c, _: "grpo_train.py --local_rank" in c and ours(c)
             trainer = find("trainer", rank, demo, log.name)
@@ -179,10 +181,11 @@ def main(argv=None):
                 raise SystemExit(f"profile_step.py: the demo failed: {log.name}")
         finally:
             # an error or a stop here ends the samplers and the demo (which stops what it started)
-            for proc in [*spies.values(), demo]:
-                if proc.poll() is None:
-                    proc.terminate()
-                    proc.wait()
+            for spy in spies.values():
+                if spy.poll() is None:
+                    spy.terminate()
+                    spy.wait()
+            stop_run(demo)
     steps = step1 - step0
     if steps < 5:
         raise SystemExit(f"only {steps} steps in the window: raise --seconds or --steps")
