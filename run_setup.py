@@ -252,7 +252,11 @@ def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_ta
     dtype = getattr(torch, default_dtype("cuda" if torch.cuda.is_available() else "cpu"))
     # progress bars of the model's load and of each checkpoint's save would cut into the step lines
     transformers.utils.logging.disable_progress_bar()
-    model_name, tok = model, AutoTokenizer.from_pretrained(model)
+    try:
+        model_name, tok = model, AutoTokenizer.from_pretrained(model)
+    except OSError as e:
+        # a hub name the hub does not have, or cannot be asked for offline: transformers' first line
+        stop_with(f"--model {model}: {str(e).splitlines()[0]}")
     # before its weights load: the trainer's log-probs of such a model would not be those vLLM samples with
     if why := logit_transform(AutoConfig.from_pretrained(model_name)):
         stop_with(f"--model {model_name}: {why}")

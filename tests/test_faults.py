@@ -809,6 +809,23 @@ def test_a_bad_flag_without_the_launcher_is_one_line(tiny_model):
     assert p.stderr == "grpo_train.py: argument --steps: invalid int value: 'ten' (--help lists the flags)\n"
 
 
+def test_a_model_that_is_no_models_folder_nor_on_the_hub_is_one_line(tmp_path, capsys):
+    """--model naming a run's folder (no config.json: its models are its step_N folders), or a name the hub
+    cannot give (offline here), is one line naming the flag; both ended in transformers' traceback (a
+    tokenizer it could not build; the hub's OSError)."""
+    from grpo_train import get_args
+    from run_setup import check_config
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit):
+        check_config(1, **vars(get_args(["--model", str(tmp_path)])))
+    assert capsys.readouterr().err == f"grpo_train.py: --model {tmp_path}: no config.json\n"
+    cmd, env = rank_zero("--model", "nobody/no-such-model", "--out-dir", str(tmp_path / "out"), port=next_port())
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**env, "HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.splitlines()[-1].startswith("grpo_train.py: --model nobody/no-such-model: "), p.stderr
+
+
 # ---------------------------------------------------------------- a first GPU run's failures, on CPU
 
 def test_gen_mem_is_checked_against_what_shares_the_engines_gpu(capsys, monkeypatch):
