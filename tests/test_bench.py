@@ -126,6 +126,20 @@ def test_padding_bench_counts_less_padding_longest_first():
         assert float(after[4].rstrip("%")) < float(before[4].rstrip("%"))
 
 
+def test_padding_bench_data_mistakes_are_one_line(tmp_path):
+    """--data is required (its default was a folder of the machine it was written on), and may be GSM8K's
+    folder or its training file; a place without a training split, or a file of other records, is one
+    line naming it (a record without 'question' was a KeyError)."""
+    (tmp_path / "sums.jsonl").write_text('{"prompt": "37+5=", "answer": "42"}\n')
+    p = subprocess.run([sys.executable, "bench/padding.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.splitlines()[-1].endswith("the following arguments are required: --data")
+    assert refusal("bench/padding.py", "--data", str(tmp_path / "nope")) == \
+        f"padding.py: --data {tmp_path / 'nope'}: no such file or folder"
+    assert refusal("bench/padding.py", "--data", str(tmp_path)).startswith(f"padding.py: --data {tmp_path}: no train split")
+    assert refusal("bench/padding.py", "--data", str(tmp_path / "sums.jsonl"), "--steps", "1") == \
+        f"padding.py: {tmp_path / 'sums.jsonl'}:1: a GSM8K record needs a 'question' and an 'answer' (text)"
+
+
 def test_step_model_arithmetic_on_known_figures():
     """bench/step_model.py on round figures: 4 GPUs, 1000 tokens a step (500 generated), 1 reference server.
     1 engine: gen 5 s + push 1 s is the longest stage; 2 engines: the reference's 5 s is, and on main's
