@@ -201,8 +201,8 @@ def test_an_out_dir_is_emptied_only_where_a_bench_script_made_it(tmp_path):
 def test_bench_flags_that_cannot_work_are_one_line_before_anything_runs(tmp_path, monkeypatch):
     """A model gpu_bench.py has no config for (a KeyError after the models before it had run), no
     reference server or no training GPU in the step model and the memory table (ZeroDivisionError),
-    and trl_compare.py's --micro-batches, --size and --baseline, said before the TRL venv's
-    install."""
+    generation.py's --model and weight_sync.py's --sizes, and trl_compare.py's --micro-batches, --size and
+    --baseline, said before the TRL venv's install."""
     assert refusal("bench/gpu_bench.py", "--models", "qwen2.5-0.5b,qwen2.5-7b") == (
         "gpu_bench: --models qwen2.5-0.5b,qwen2.5-7b: no config named qwen2.5-7b (known: "
         "qwen2.5-0.5b, qwen2.5-1.5b, tiny)")
@@ -210,6 +210,11 @@ def test_bench_flags_that_cannot_work_are_one_line_before_anything_runs(tmp_path
         "step_model.py: --ref-servers 0: the model needs 1 or more"
     assert refusal("bench/memory_table.py", "--gpus", "0", "2") == \
         "memory_table.py: --gpus 0 2: each must be 1 or more"
+    # a folder without a model was transformers' traceback; an unknown size ran as the 100M model
+    assert refusal("bench/generation.py", "--model", str(tmp_path)) == \
+        f"generation.py: --model {tmp_path} holds no model (make demo builds runs/demo/model)"
+    assert refusal("bench/weight_sync.py", "--sizes", "demo,7b") == \
+        "weight_sync.py: --sizes demo,7b: no model named 7b (known: demo, 100m)"
     out = tmp_path / "trl_compare"
     divide = "must divide a step's 128 completions"
     for flags, said in ((["--micro-batches", "0"], f"--micro-batches 0: {divide}"),
