@@ -102,6 +102,9 @@ def plot_metrics(metrics_jsonl_path, out_png, title="GRPO"):
 
 def main(argv):
     """The command line: the image's path, or one line naming what is wrong and exit status 1."""
+    if argv in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return
     if len(argv) != 2:
         sys.exit("usage: python plot.py METRICS_JSONL OUT_PNG")
     from matplotlib.backends.backend_agg import FigureCanvasAgg

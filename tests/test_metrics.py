@@ -310,6 +310,9 @@ def test_plotting_a_killed_runs_metrics_and_the_mistakes_of_plot_py(tmp_path):
         rc, out, err = plot(*argv)
         assert rc == 1 and out == "" and err.startswith(f"plot.py: {said}") and err.count("\n") == 1, err
     assert not (tmp_path / "x.png").exists()
+    rc, out, err = plot("--help")   # the usage, exit status 0; no arguments: the usage as the mistake
+    assert rc == 0 and "python plot.py runs/demo/metrics.jsonl runs/demo/curve.png" in out and err == "", err
+    assert plot() == (1, "", "usage: python plot.py METRICS_JSONL OUT_PNG\n")
 
 
 def test_plot_py_on_a_file_that_is_not_text_or_a_line_that_is_no_object_is_one_line(tmp_path):
