@@ -434,14 +434,19 @@ def test_the_demo_names_its_own_flag_when_beta_0_leaves_its_servers_nothing_to_d
 
 def test_the_demo_refuses_a_file_as_its_folder_and_a_trainers_folder_of_its_own(tmp_path):
     """--out-dir naming a file (a FileExistsError traceback), and --out-dir after `--`, which sent
-    the trainer's metrics where the demo did not read them: one line each, before anything
-    starts."""
+    the trainer's metrics where the demo did not read them; --world-size 0 (which ran one rank) and a
+    --model without a model (the trainer's line, then the launcher's report of the rank's exit): one line
+    each, before anything starts."""
     notes, demo = tmp_path / "notes.txt", tmp_path / "demo"
     notes.write_text("")
     for argv, said in ((["--out-dir", str(notes)], f"--out-dir {notes} is a file, not a folder"),
                        (["--out-dir", str(demo), "--", "--out-dir", str(tmp_path / "x")],
                         f"--out-dir after `--` would move the trainer's folder away from the "
-                        f"demo's own ({demo}): give --out-dir before `--`")):
+                        f"demo's own ({demo}): give --out-dir before `--`"),
+                       (["--out-dir", str(demo), "--world-size", "0"],
+                        "--world-size 0: the demo needs 1 or more training processes"),
+                       (["--out-dir", str(demo), "--model", str(tmp_path)],
+                        f"--model {tmp_path} holds no model (no config.json; without --model the demo builds one)")):
         p = subprocess.run([sys.executable, "-m", "demo.run_demo", *argv], cwd=ROOT,
                            capture_output=True, text=True, timeout=300)
         assert (p.returncode, p.stderr) == (1, f"run_demo: {said}\n"), \
