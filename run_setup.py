@@ -348,8 +348,10 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
         fifth = eval_size == DEFAULT_EVAL_SIZE and 2 <= len(rows) < 5 * eval_size
         eval_size = max(1, len(rows) // 5) if fifth else eval_size
         if len(rows) <= eval_size:
-            stop_with(f"{source} has no test split and {len(rows)} distinct prompts: --eval-size {eval_size} "
-                      f"held out of them would leave none to train on (pass a smaller --eval-size)")
+            # one distinct prompt: no --eval-size leaves any to train on
+            advice = "pass a smaller --eval-size" if len(rows) > 1 else "add prompts, or a test split"
+            stop_with(f"{source} has no test split and {len(rows)} distinct prompt{'s' * (len(rows) != 1)}: "
+                      f"--eval-size {eval_size} held out of them would leave none to train on ({advice})")
         prompts = random.Random(HOLD_OUT_SEED).sample(list(rows), len(rows))
         test = [rows[prompt][0] for prompt in prompts[:eval_size]]
         held_out = {s["prompt"] for s in test}
