@@ -79,12 +79,15 @@ bwrap:
 # is SYSTEM_PYTHON, found before PATH put .venv/bin (the CPU tests' torch) first; and the JIT-built ops stay
 # out of .venv's folder, where one built against the CPU torch would be loaded as it is.
 GPU_PYTHON := env -u TORCH_EXTENSIONS_DIR $(SYSTEM_PYTHON)
+# Without a GPU, one line (the active python may not even have torch): $@ is the target that runs it
+NEEDS_GPU = @command -v nvidia-smi >/dev/null || { echo "make $@: no GPU here (no nvidia-smi): it is for a GPU" \
+	"machine; on this one, make test runs the tests, python bench/gpu_check.py --tiny the check's stages" \
+	"at tiny shapes" >&2; exit 1; }
 gpu-check:
-	@command -v nvidia-smi >/dev/null || { echo "make gpu-check: no GPU here (no nvidia-smi): it is for a GPU" \
-		"machine; on this one, make test runs the tests, python bench/gpu_check.py --tiny the check's stages" \
-		"at tiny shapes" >&2; exit 1; }
+	$(NEEDS_GPU)
 	$(GPU_PYTHON) bench/gpu_check.py
 
 # At most 5 minutes on one GPU from a cold start: 5 steps, one line each for what to read first (docs/gpu.md).
 gpu-check-quick:
+	$(NEEDS_GPU)
 	$(GPU_PYTHON) bench/gpu_check.py --quick

@@ -54,9 +54,20 @@ def step_lines(path):
     return [r for r in read_metrics(path) if "loss" in r]
 
 
+def time_ticks(timed):
+    """The top axis of rows that have time/elapsed_s -> (steps, labels, unit): about five of the steps, each
+    labelled with the time it was reached, in seconds (minutes from 10 on); with a decimal where whole ones
+    would repeat a label (a short run's steps come less than a second apart)."""
+    unit, scale = ("seconds", 1) if timed[-1]["time/elapsed_s"] < 600 else ("minutes", 60)
+    ticks = timed[::max(1, len(timed) // 5)]
+    values = [r["time/elapsed_s"] / scale for r in ticks]
+    digits = 0 if len({f"{v:.0f}" for v in values}) == len(values) else 1
+    return [r["step"] for r in ticks], [f"{v:.{digits}f}" for v in values], unit
+
+
 def plot_metrics(metrics_jsonl_path, out_png, title="GRPO"):
     """Four panels of a run's metrics per step (an evaluation at the step whose weights it scored,
-    eval/step), minutes since the metrics log opened on the top axis. Returns the path written
+    eval/step), the time since the metrics log opened on the top axis (time_ticks). Returns the path written
     (out_png, with the default format's extension, .png, added where it has none). Uses
     matplotlib's object API (no pyplot state): safe beside anything else the process draws."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -84,11 +95,10 @@ def plot_metrics(metrics_jsonl_path, out_png, title="GRPO"):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     timed = [r for r in rows if "time/elapsed_s" in r]
     if len(timed) > 1:   # the time on top, at the steps where it was reached
-        unit, scale = ("seconds", 1) if timed[-1]["time/elapsed_s"] < 600 else ("minutes", 60)
-        ticks = timed[::max(1, len(timed) // 5)]
+        steps, labels, unit = time_ticks(timed)
         for ax in axes[:2]:
             top = ax.secondary_xaxis("top")
-            top.set_xticks([r["step"] for r in ticks], [f"{r['time/elapsed_s'] / scale:.0f}" for r in ticks])
+            top.set_xticks(steps, labels)
             top.set_xlabel(f"{unit} since the start", fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -102,6 +112,9 @@ def plot_metrics(metrics_jsonl_path, out_png, title="GRPO"):
 
 def main(argv):
     """The command line: the image's path, or one line naming what is wrong and exit status 1."""
+    if argv in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return
     if len(argv) != 2:
         sys.exit("usage: python plot.py METRICS_JSONL OUT_PNG")
     from matplotlib.backends.backend_agg import FigureCanvasAgg

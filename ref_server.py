@@ -85,10 +85,10 @@ def encode_response(logps: list[torch.Tensor]) -> bytes:
     return st_save({"logps": torch.cat([t.detach().float().flatten().cpu() for t in logps])})
 
 def missing_folder(model) -> str | None:
-    """Why --model cannot be loaded: a path (. / ~ first, or two slashes) naming no folder."""
-    path = model.startswith((".", "/", "~")) or model.count("/") > 1
-    if path and not os.path.isdir(os.path.expanduser(model)):
-        return f"--model {model}: no such folder"
+    """Why --model is no model: a folder or path (. / ~ first, two slashes) without config.json."""
+    folder, path = os.path.expanduser(model), model[:1] in ".~/" or model.count("/") > 1
+    if (path or os.path.isdir(folder)) and not os.path.isfile(f"{folder}/config.json"):
+        return f"--model {model}: {'no config.json' if os.path.isdir(folder) else 'no such folder'}"
 
 def exposure_error(host, token, insecure) -> str | None:
     """Why serving on `host` is refused: off loopback (a name may resolve to anything)."""

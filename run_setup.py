@@ -252,7 +252,11 @@ def load_policy(model, grad_ckpt=False, *, lora_rank=0, lora_alpha=None, lora_ta
     dtype = getattr(torch, default_dtype("cuda" if torch.cuda.is_available() else "cpu"))
     # progress bars of the model's load and of each checkpoint's save would cut into the step lines
     transformers.utils.logging.disable_progress_bar()
-    model_name, tok = model, AutoTokenizer.from_pretrained(model)
+    try:
+        model_name, tok = model, AutoTokenizer.from_pretrained(model)
+    except OSError as e:
+        # a hub name the hub does not have, or cannot be asked for offline: transformers' first line
+        stop_with(f"--model {model}: {str(e).splitlines()[0]}")
     # before its weights load: the trainer's log-probs of such a model would not be those vLLM samples with
     if why := logit_transform(AutoConfig.from_pretrained(model_name)):
         stop_with(f"--model {model_name}: {why}")
@@ -344,8 +348,10 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
         fifth = eval_size == DEFAULT_EVAL_SIZE and 2 <= len(rows) < 5 * eval_size
         eval_size = max(1, len(rows) // 5) if fifth else eval_size
         if len(rows) <= eval_size:
-            stop_with(f"{source} has no test split and {len(rows)} distinct prompts: --eval-size {eval_size} "
-                      f"held out of them would leave none to train on (pass a smaller --eval-size)")
+            # one distinct prompt: no --eval-size leaves any to train on
+            advice = "pass a smaller --eval-size" if len(rows) > 1 else "add prompts, or a test split"
+            stop_with(f"{source} has no test split and {len(rows)} distinct prompt{'s' * (len(rows) != 1)}: "
+                      f"--eval-size {eval_size} held out of them would leave none to train on ({advice})")
         prompts = random.Random(HOLD_OUT_SEED).sample(list(rows), len(rows))
         test = [rows[prompt][0] for prompt in prompts[:eval_size]]
         held_out = {s["prompt"] for s in test}

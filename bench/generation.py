@@ -11,7 +11,7 @@ grpo_train.py asks it (the rollout decodes each completion itself, for the rewar
 costs 2-4 ms a call on the demo model, 18-20 ms with log-probs (bench/README.md section 23). A third row: vLLM as
 grpo_train.py calls it, also returning each sampled token's log-prob (logprobs=0).
 Generated tokens are counted the same way on both sides: up to and including the first EOS, else the limit.
-Each side gets one warm-up call (2 new tokens), then --reps calls are timed: tokens/s is all their
+Each row gets one warm-up call (2 new tokens), then --reps calls are timed: tokens/s is all their
 tokens over all their time (the table's tokens and seconds a call are means). Threads:
 OMP_NUM_THREADS and torch.set_num_threads(--threads) before either side runs; vLLM runs in this
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on the same thread pool (the table's header says how many
@@ -24,7 +24,7 @@ import time
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-from _common import BIG, demo_model, machine, print_table, random_model  # noqa: E402
+from _common import BIG, demo_model, machine, model_given, print_table, random_model  # noqa: E402
 
 
 def hf_side(path, prompts, a):
@@ -68,6 +68,8 @@ def vllm_side(path, prompts, a):
     t, n_tok = rate(run, a.reps)
     ends = [c.token_ids[-1] for o in outs for c in o.outputs if c.finish_reason == "stop"]
     assert all(e == tok.eos_token_id for e in ends), "vLLM's token_ids should end with the EOS"
+    # the log-probs' own warm-up: their first call compiles the sampled token's rank (3.6 s on 2 cores)
+    run(SamplingParams(n=a.n, temperature=a.temperature, max_tokens=2, logprobs=0, detokenize=False))
     t_lp, n_tok_lp = rate(lambda: run(with_logps), a.reps)
     return t, n_tok, t_lp, n_tok_lp, torch.get_num_threads()
 
@@ -95,6 +97,8 @@ def main():
     p.add_argument("--reps", type=int, default=3, help="timed calls per side (their mean)")
     p.add_argument("--threads", type=int, default=2, help="torch threads for both sides")
     a = p.parse_args()
+    if a.model:
+        model_given(a.model, "generation.py")
     a.max_new_tokens = a.max_new_tokens or (32 if a.size == "big" else 12)
     os.environ["OMP_NUM_THREADS"] = str(a.threads)   # else vLLM may drop torch to 1 thread for serving
     import torch

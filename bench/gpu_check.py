@@ -291,7 +291,12 @@ def main():
     # stop the GRPO run (its launcher has a session of its own: no signal to this one reaches it)
     # and the bench
     stop_signals_raise()
-    import torch
+    try:
+        import torch
+    except ImportError:   # make gpu-check runs the python of the shell, which may lack the requirements
+        raise SystemExit(f"gpu_check: this python ({sys.executable}) has no torch: install the GPU requirements "
+                         f"into it (pip install -r requirements.txt), or activate the environment that has them"
+                         ) from None
     # on a machine without a GPU: one line, not minutes of a 0.5B model on the CPU
     if not a.tiny and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no GPU here (torch sees none): this check is for a GPU machine; on a CPU "

@@ -17,18 +17,17 @@ weight-0 filler micro-batch counts as padding). "With waits": the ranks meet at 
 so each micro-batch's cost is the widest one of that round on any rank; the fraction of that cost that
 is not real tokens.
 
-    python bench/padding.py [--steps 200] [--ranks 1 4]
+    python bench/padding.py --data /path/to/gsm8k [--steps 200] [--ranks 1 4]
+
+--data: GSM8K's folder (train.jsonl, as the release lays it out) or a file of its training records.
 """
 import argparse
 import math
-import os
 import random
 
-from _common import ROOT, print_table
-from data_files import data_file, read_records
+from _common import print_table
+from data_files import DataError, data_file, read_records
 from tasks import chat_prompt
-
-DATA = os.path.join(os.path.dirname(ROOT), "shared", "data", "gsm8k")
 
 
 def in_order(mine, seqs, world, size):
@@ -40,7 +39,11 @@ def in_order(mine, seqs, world, size):
 
 def stand_in_lengths(data, tokenizer):
     """-> (prompt token counts, completion token counts) over GSM8K's training split."""
-    records = [r for _, r in read_records(data_file(data, "train"))]
+    records = []
+    for where, r in read_records(data_file(data, "train")):
+        if not (isinstance(r, dict) and isinstance(r.get("question"), str) and isinstance(r.get("answer"), str)):
+            raise DataError(f"{where}: a GSM8K record needs a 'question' and an 'answer' (text)")
+        records.append(r)
     encode = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)
     return ([encode(chat_prompt(tokenizer, r["question"])) for r in records],
             [encode(r["answer"]) + 1 for r in records])
@@ -64,7 +67,7 @@ def count(plan):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=DATA, help="GSM8K folder (train.jsonl)")
+    p.add_argument("--data", required=True, help="GSM8K's folder (train.jsonl) or training file")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer (default: the demo's char tokenizer)")
     p.add_argument("--seqs", type=int, default=64, help="sequences per step")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
@@ -73,8 +76,10 @@ def main():
     p.add_argument("--steps", type=int, default=200, help="random batches averaged over")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    if not os.path.isfile(os.path.join(a.data, "train.jsonl")):
-        raise SystemExit(f"padding.py: --data {a.data}: no train.jsonl there")
+    try:
+        data_file(a.data, "train")
+    except DataError as e:
+        raise SystemExit(f"padding.py: {e}") from None
     if a.seqs % a.group_size:
         raise SystemExit("padding.py: --seqs must be a multiple of --group-size")
     if a.tokenizer:
@@ -84,7 +89,10 @@ def main():
         from demo.tiny_model import build_tokenizer
         tokenizer = build_tokenizer()
     from batches import micro_batches
-    prompt_lens, completion_lens = stand_in_lengths(a.data, tokenizer)
+    try:
+        prompt_lens, completion_lens = stand_in_lengths(a.data, tokenizer)
+    except DataError as e:
+        raise SystemExit(f"padding.py: {e}") from None
     rng = random.Random(a.seed)
     batches = []
     for _ in range(a.steps):

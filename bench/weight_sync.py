@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from _common import demo_model, machine, n_params, print_table, random_config
+from _common import demo_model, machine, model_given, n_params, print_table, random_config
 
 # ~104M parameters with the demo's character vocabulary (tied embeddings)
 MODEL_100M = dict(hidden=768, layers=11, heads=12, intermediate=3072)
@@ -330,6 +330,10 @@ def main():
         with tempfile.TemporaryDirectory() as a.tmp:
             print("RESULT " + json.dumps((profile if a.profile else measure)(a.child, a)))
         return
+    if unknown := [size for size in a.sizes.split(",") if size not in ("demo", "100m")]:
+        raise SystemExit(f"weight_sync.py: --sizes {a.sizes}: no model named {', '.join(unknown)} (known: demo, 100m)")
+    if a.model:
+        model_given(a.model, "weight_sync.py")
     results = [run_child(size, a) for size in a.sizes.split(",")]
     print(f"\n{machine()}; {a.threads} torch thread(s); fp32 weights; median of {a.reps}")
     if a.profile:

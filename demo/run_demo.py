@@ -107,6 +107,11 @@ def main(argv=None):
     p.add_argument("--ref-servers", type=int, default=1,
                    help="reference servers (each on a port of its own; the batch is split across them)")
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if a.world_size < 1:
+        raise SystemExit(f"run_demo: --world-size {a.world_size}: the demo needs 1 or more training processes")
+    if a.model and not os.path.isfile(os.path.join(a.model, "config.json")):
+        raise SystemExit(f"run_demo: --model {a.model} holds no model (no config.json; without --model the demo "
+                         f"builds one)")
     if a.ref_servers > 1 and given_beta(extra) == 0:
         raise SystemExit(f"run_demo: --ref-servers {a.ref_servers} starts reference servers, but --beta 0 trains "
                          f"without a reference: drop --ref-servers, or give --beta > 0")

@@ -130,6 +130,20 @@ def test_padding_bench_counts_less_padding_longest_first():
         assert float(after[4].rstrip("%")) < float(before[4].rstrip("%"))
 
 
+def test_padding_bench_data_mistakes_are_one_line(tmp_path):
+    """--data is required (its default was a folder of the machine it was written on), and may be GSM8K's
+    folder or its training file; a place without a training split, or a file of other records, is one
+    line naming it (a record without 'question' was a KeyError)."""
+    (tmp_path / "sums.jsonl").write_text('{"prompt": "37+5=", "answer": "42"}\n')
+    p = subprocess.run([sys.executable, "bench/padding.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.splitlines()[-1].endswith("the following arguments are required: --data")
+    assert refusal("bench/padding.py", "--data", str(tmp_path / "nope")) == \
+        f"padding.py: --data {tmp_path / 'nope'}: no such file or folder"
+    assert refusal("bench/padding.py", "--data", str(tmp_path)).startswith(f"padding.py: --data {tmp_path}: no train split")
+    assert refusal("bench/padding.py", "--data", str(tmp_path / "sums.jsonl"), "--steps", "1") == \
+        f"padding.py: {tmp_path / 'sums.jsonl'}:1: a GSM8K record needs a 'question' and an 'answer' (text)"
+
+
 def test_step_model_arithmetic_on_known_figures():
     """bench/step_model.py on round figures: 4 GPUs, 1000 tokens a step (500 generated), 1 reference server.
     1 engine: gen 5 s + push 1 s is the longest stage; 2 engines: the reference's 5 s is, and on main's
@@ -191,8 +205,8 @@ def test_an_out_dir_is_emptied_only_where_a_bench_script_made_it(tmp_path):
 def test_bench_flags_that_cannot_work_are_one_line_before_anything_runs(tmp_path, monkeypatch):
     """A model gpu_bench.py has no config for (a KeyError after the models before it had run), no
     reference server or no training GPU in the step model and the memory table (ZeroDivisionError),
-    and trl_compare.py's --micro-batches, --size and --baseline, said before the TRL venv's
-    install."""
+    generation.py's --model and weight_sync.py's --sizes, and trl_compare.py's --micro-batches, --size and
+    --baseline, said before the TRL venv's install."""
     assert refusal("bench/gpu_bench.py", "--models", "qwen2.5-0.5b,qwen2.5-7b") == (
         "gpu_bench: --models qwen2.5-0.5b,qwen2.5-7b: no config named qwen2.5-7b (known: "
         "qwen2.5-0.5b, qwen2.5-1.5b, tiny)")
@@ -200,6 +214,11 @@ def test_bench_flags_that_cannot_work_are_one_line_before_anything_runs(tmp_path
         "step_model.py: --ref-servers 0: the model needs 1 or more"
     assert refusal("bench/memory_table.py", "--gpus", "0", "2") == \
         "memory_table.py: --gpus 0 2: each must be 1 or more"
+    # a folder without a model was transformers' traceback; an unknown size ran as the 100M model
+    assert refusal("bench/generation.py", "--model", str(tmp_path)) == \
+        f"generation.py: --model {tmp_path} holds no model (make demo builds runs/demo/model)"
+    assert refusal("bench/weight_sync.py", "--sizes", "demo,7b") == \
+        "weight_sync.py: --sizes demo,7b: no model named 7b (known: demo, 100m)"
     out = tmp_path / "trl_compare"
     divide = "must divide a step's 128 completions"
     for flags, said in ((["--micro-batches", "0"], f"--micro-batches 0: {divide}"),

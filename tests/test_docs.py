@@ -403,16 +403,26 @@ def test_make_gpu_check_runs_the_active_python(tmp_path):
 
 
 def test_make_gpu_check_on_a_machine_without_a_gpu_is_one_line():
-    """`make gpu-check` (README) on a CPU machine: one line saying there is no GPU and what to run instead,
-    at once, and a non-zero status; bench/gpu_check.py run straight says the same in one line."""
+    """`make gpu-check` (README) and `make gpu-check-quick` (docs/gpu.md) on a CPU machine: one line saying
+    there is no GPU and what to run instead, at once, and a non-zero status (gpu-check-quick ran the
+    shell's python, whose missing torch was a traceback); bench/gpu_check.py run straight says the same in
+    one line, and in a python without torch says that."""
     if shutil.which("nvidia-smi"):
         pytest.skip("this machine has a GPU")
     # a user's shell: not inside another make (`make test`), whose variables would make this one speak
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-    p = subprocess.run(["make", "gpu-check"], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
-    said = [line for line in p.stderr.splitlines() if not line.startswith("make: ***")]
-    assert p.returncode != 0 and p.stdout == "" and len(said) == 1, p.stdout + p.stderr
-    assert said[0].startswith("make gpu-check: no GPU here") and "make test" in said[0]
+    for target in ("gpu-check", "gpu-check-quick"):
+        p = subprocess.run(["make", target], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+        said = [line for line in p.stderr.splitlines() if not line.startswith("make: ***")]
+        assert p.returncode != 0 and p.stdout == "" and len(said) == 1, p.stdout + p.stderr
+        assert said[0].startswith(f"make {target}: no GPU here") and "make test" in said[0]
+    without_torch = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['bench/gpu_check.py']; "
+                     "runpy.run_path('bench/gpu_check.py', run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", without_torch], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "bench")})
+    assert p.returncode == 1 and p.stderr == (f"gpu_check: this python ({sys.executable}) has no torch: install "
+                                              "the GPU requirements into it (pip install -r requirements.txt), "
+                                              "or activate the environment that has them\n"), p.stderr
     p = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 1 and p.stderr.startswith("gpu_check: no GPU here") and p.stderr.count("\n") == 1

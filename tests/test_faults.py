@@ -434,14 +434,19 @@ def test_the_demo_names_its_own_flag_when_beta_0_leaves_its_servers_nothing_to_d
 
 def test_the_demo_refuses_a_file_as_its_folder_and_a_trainers_folder_of_its_own(tmp_path):
     """--out-dir naming a file (a FileExistsError traceback), and --out-dir after `--`, which sent
-    the trainer's metrics where the demo did not read them: one line each, before anything
-    starts."""
+    the trainer's metrics where the demo did not read them; --world-size 0 (which ran one rank) and a
+    --model without a model (the trainer's line, then the launcher's report of the rank's exit): one line
+    each, before anything starts."""
     notes, demo = tmp_path / "notes.txt", tmp_path / "demo"
     notes.write_text("")
     for argv, said in ((["--out-dir", str(notes)], f"--out-dir {notes} is a file, not a folder"),
                        (["--out-dir", str(demo), "--", "--out-dir", str(tmp_path / "x")],
                         f"--out-dir after `--` would move the trainer's folder away from the "
-                        f"demo's own ({demo}): give --out-dir before `--`")):
+                        f"demo's own ({demo}): give --out-dir before `--`"),
+                       (["--out-dir", str(demo), "--world-size", "0"],
+                        "--world-size 0: the demo needs 1 or more training processes"),
+                       (["--out-dir", str(demo), "--model", str(tmp_path)],
+                        f"--model {tmp_path} holds no model (no config.json; without --model the demo builds one)")):
         p = subprocess.run([sys.executable, "-m", "demo.run_demo", *argv], cwd=ROOT,
                            capture_output=True, text=True, timeout=300)
         assert (p.returncode, p.stderr) == (1, f"run_demo: {said}\n"), \
@@ -807,6 +812,23 @@ def test_a_bad_flag_without_the_launcher_is_one_line(tiny_model):
     # stdout: at most DeepSpeed's own note, at import, that it found no GPU
     assert p.returncode != 0 and all(LAUNCHER_LINE.match(line) for line in p.stdout.splitlines())
     assert p.stderr == "grpo_train.py: argument --steps: invalid int value: 'ten' (--help lists the flags)\n"
+
+
+def test_a_model_that_is_no_models_folder_nor_on_the_hub_is_one_line(tmp_path, capsys):
+    """--model naming a run's folder (no config.json: its models are its step_N folders), or a name the hub
+    cannot give (offline here), is one line naming the flag; both ended in transformers' traceback (a
+    tokenizer it could not build; the hub's OSError)."""
+    from grpo_train import get_args
+    from run_setup import check_config
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit):
+        check_config(1, **vars(get_args(["--model", str(tmp_path)])))
+    assert capsys.readouterr().err == f"grpo_train.py: --model {tmp_path}: no config.json\n"
+    cmd, env = rank_zero("--model", "nobody/no-such-model", "--out-dir", str(tmp_path / "out"), port=next_port())
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**env, "HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.splitlines()[-1].startswith("grpo_train.py: --model nobody/no-such-model: "), p.stderr
 
 
 # ---------------------------------------------------------------- a first GPU run's failures, on CPU

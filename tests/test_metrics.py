@@ -276,6 +276,18 @@ def test_the_plot_at_most_once_a_minute_during_a_run(tmp_path):
     assert plot.stat().st_size > 10_000
 
 
+def test_the_plots_time_axis_never_repeats_a_label():
+    """The top axis of a short run (steps under a second apart) read 8, 9, 9, 10, 11: a decimal then; whole
+    seconds otherwise, and minutes from 10 on."""
+    from plot import time_ticks
+    short = [{"step": s, "time/elapsed_s": 8.0 + 0.2 * s} for s in range(1, 21)]
+    assert time_ticks(short) == ([1, 5, 9, 13, 17], ["8.2", "9.0", "9.8", "10.6", "11.4"], "seconds")
+    slow = [{"step": s, "time/elapsed_s": 20.0 * s} for s in range(1, 11)]
+    assert time_ticks(slow) == ([1, 3, 5, 7, 9], ["20", "60", "100", "140", "180"], "seconds")
+    long = [{"step": s, "time/elapsed_s": 300.0 * s} for s in range(1, 11)]
+    assert time_ticks(long)[1:] == (["5", "15", "25", "35", "45"], "minutes")
+
+
 def test_plotting_a_killed_runs_metrics_and_the_mistakes_of_plot_py(tmp_path):
     """python plot.py METRICS OUT: a killed run's torn last line is left out of the plot; a metrics file
     that is not there, an output name no image format has, and a line before the last that is not JSON are
@@ -310,6 +322,9 @@ def test_plotting_a_killed_runs_metrics_and_the_mistakes_of_plot_py(tmp_path):
         rc, out, err = plot(*argv)
         assert rc == 1 and out == "" and err.startswith(f"plot.py: {said}") and err.count("\n") == 1, err
     assert not (tmp_path / "x.png").exists()
+    rc, out, err = plot("--help")   # the usage, exit status 0; no arguments: the usage as the mistake
+    assert rc == 0 and "python plot.py runs/demo/metrics.jsonl runs/demo/curve.png" in out and err == "", err
+    assert plot() == (1, "", "usage: python plot.py METRICS_JSONL OUT_PNG\n")
 
 
 def test_plot_py_on_a_file_that_is_not_text_or_a_line_that_is_no_object_is_one_line(tmp_path):

@@ -322,6 +322,19 @@ def test_a_model_folder_that_is_not_there_is_one_line(tmp_path, model):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("model", ["run", "run/", "./run"])
+def test_a_folder_without_a_model_is_one_line(tmp_path, model):
+    """A folder without config.json (a run's own, whose models are its step_N folders): the flag's error,
+    not transformers' traceback from a config it cannot read."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", model,
+                        "--port", str(next_port())],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env_without_token())
+    assert r.returncode == 2 and r.stderr.splitlines()[-1].endswith(f"--model {model}: no config.json")
+    assert "Traceback" not in r.stderr
+
+
 def test_health(server, model, tiny_model):
     h = wait_for_server(server, timeout=10)
     assert h == {"status": "ok", "model": tiny_model, "vocab_size": V, "fingerprint": h["fingerprint"],

@@ -299,6 +299,12 @@ def test_data_without_a_test_split_holds_out_eval_size_rows_never_trained_on(tmp
         load_prompts(tmp_path / "my.jsonl", eval_size=50)
     err = capsys.readouterr().err
     assert stop.value.code == 1 and err.count("\n") == 1 and "--eval-size 50" in err and "no test split" in err
+    # one distinct prompt, however many rows: no --eval-size helps (it advised a smaller one)
+    write_jsonl(tmp_path / "one.jsonl", [{"prompt": "question", "answer": "1"}] * 3)
+    with pytest.raises(SystemExit):
+        load_prompts(tmp_path / "one.jsonl", eval_size=1)
+    assert capsys.readouterr().err.endswith("has no test split and 1 distinct prompt: --eval-size 1 held out of "
+                                            "them would leave none to train on (add prompts, or a test split)\n")
 
 
 def test_data_mistakes_stop_the_run_with_one_line(tmp_path, capsys):
