@@ -29,8 +29,7 @@ MAX_HEAD = 2**16
 
 class WireError(bottle.HTTPError):
     """An invalid request, /reload folder or answer: in a route, answered with `status_code`."""
-    def __init__(self, msg, status=400):
-        super().__init__(status, msg)
+    __init__ = lambda self, msg, status=400: bottle.HTTPError.__init__(self, status, msg)
     __str__ = lambda self: self.body
 
 def read_body(body: bytes) -> tuple[dict, dict]:
@@ -127,17 +126,20 @@ def logit_transform(config) -> str | None:
 def load_model(model, device="cpu", dtype="auto", fp32_lm_head=False, **_):
     # here, so importing this module stays light
     from transformers import AutoConfig, AutoModelForCausalLM
-    if why := logit_transform(AutoConfig.from_pretrained(model)):
-        raise SystemExit(f"ref_server: --model {model}: {why}")
     dtype = getattr(torch, default_dtype(device) if dtype == "auto" else dtype)
-    # safetensors only: never a format that runs code on load (a hub model without them: refused)
-    net = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, use_safetensors=True).to(device)
+    try:
+        if why := logit_transform(AutoConfig.from_pretrained(model)):
+            raise SystemExit(f"ref_server: --model {model}: {why}")
+        net = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, use_safetensors=True)
+    # safetensors only (no format that runs code on load); OSError: none, not on the hub, offline
+    except OSError as e:
+        raise SystemExit(f"ref_server: --model {model}: {str(e).splitlines()[0]}") from None
     if fp32_lm_head:
         # as grpo_train.py --fp32-lm-head and vLLM 0.32's head_dtype float32
         head = net.get_output_embeddings()
         bias = lambda: None if head.bias is None else head.bias.float()
         head.forward = lambda h: torch.nn.functional.linear(h.float(), head.weight.float(), bias())
-    return net.eval().requires_grad_(False)
+    return net.to(device).eval().requires_grad_(False)
 
 @torch.no_grad()
 def compute_logps(model, prompts, completions, temperature, chunk=512) -> list[torch.Tensor]:
@@ -162,12 +164,11 @@ def compute_logps(model, prompts, completions, temperature, chunk=512) -> list[t
 # config.json fields that do not change what the model computes (docs/reference-server.md: why)
 CONFIG_KEYS_IGNORED = ("transformers_version", "_name_or_path", "architectures", "dtype",
                        "torch_dtype", "use_cache")
-# NONBLOCK: a FIFO never blocks
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 def _open(parent, name, path, fds, flags=0) -> int:
-    """`name` opened in folder `parent` (None: absolute), never through a symlink -> `fds`."""
+    """`name` in folder `parent` (None: absolute), opened via no symlink, not blocking -> `fds`."""
     # O_NOFOLLOW refuses a symlink, even one swapped in after this lstat; the lstat says why
     if parent and stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
         raise WireError(f"{path!r} is not under the server's --checkpoint-dir: {name!r} is a "
@@ -434,7 +435,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    # oversubscribed shared cores make everything 10-100x slower
     torch.set_num_threads(args.threads)
     # bound first: a port in use is said before the model loads; run() serves the app set below
     try:

@@ -10,6 +10,7 @@ import re
 import os
 import select
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -333,6 +334,21 @@ def test_a_folder_without_a_model_is_one_line(tmp_path, model):
                        capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env_without_token())
     assert r.returncode == 2 and r.stderr.splitlines()[-1].endswith(f"--model {model}: no config.json")
     assert "Traceback" not in r.stderr
+
+
+def test_a_model_transformers_cannot_load_is_one_line(tmp_path, tiny_model):
+    """A hub name the hub cannot give (offline here) and a folder without safetensors weights (a .bin
+    checkpoint is never loaded): the flag and transformers' first line, not its traceback."""
+    (tmp_path / "bin").mkdir()
+    shutil.copy(os.path.join(tiny_model, "config.json"), tmp_path / "bin")
+    for model, said in (("nobody/no-such-model", "nobody/no-such-model"),
+                        (str(tmp_path / "bin"), "model.safetensors")):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", model,
+                            "--port", str(next_port())], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path, env={**env_without_token(), "HF_HUB_OFFLINE": "1"})
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        last = r.stderr.splitlines()[-1]
+        assert last.startswith(f"ref_server: --model {model}: ") and said in last, r.stderr
 
 
 def test_health(server, model, tiny_model):
