@@ -73,8 +73,8 @@ def test_gpu_check_tiny_mode_runs_on_cpu(tmp_path):
     assert rows[-1]["eval/step"] == 3 and 0 <= rows[-1]["eval/accuracy"] <= 1
 
 
-def test_train_flops_counts_the_lm_head_on_completion_tokens_only():
-    sys.path.insert(0, BENCH)
+def test_train_flops_counts_the_lm_head_on_completion_tokens_only(monkeypatch):
+    monkeypatch.syspath_prepend(BENCH)
     from gpu_bench import body_params, train_flops
     # 6 x (body x all tokens + lm_head on completion tokens), per sequence: 6 x (100 x 9 + 2 x 10 x 5) = 6,000
     assert train_flops(100, 2, 10, seqs=3, prompt_len=4, new_tokens=5) == 3 * 6000
@@ -106,9 +106,9 @@ def test_overlap_report_from_a_known_metrics_file(tmp_path):
     assert re.search(r"step 1\.000", out)
 
 
-def test_trl_compare_uses_the_demo_settings():
+def test_trl_compare_uses_the_demo_settings(monkeypatch):
     """The TRL comparison copies the demo's GRPO settings; it refuses to run if the demo's flags moved on."""
-    sys.path.insert(0, BENCH)
+    monkeypatch.syspath_prepend(BENCH)
     from trl_compare import check_our_flags
     check_our_flags()
 

@@ -368,10 +368,10 @@ def test_every_launch_of_the_trainer_runs_as_written_or_is_an_outline():
         assert sum(line.startswith(start) for _, line in fenced_commands(text)) == 1, (page, start)
 
 
-def test_the_eight_gpu_layout_is_one_layout():
+def test_the_eight_gpu_layout_is_one_layout(monkeypatch):
     """README's 8-GPU line, docs/gpu.md's layout table and its launch line, the GPU recipe and
     bench/gpu_check.py's layout all train on GPUs 2-7 with vLLM on GPU 0 and the reference on GPU 1."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
     from gpu_check import layout
     assert layout(8) == (0, 1, [2, 3, 4, 5, 6, 7])
     gpu = (ROOT / "docs" / "gpu.md").read_text()
