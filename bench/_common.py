@@ -121,14 +121,14 @@ def run_to_end(cmd, log, script, what, stamp=None, **popen_kw):
     The run gets a session of its own, so a terminal's Ctrl-C reaches this script alone: anything that ends
     the wait (Ctrl-C; SIGTERM or SIGHUP after stop_signals_raise; an error) stops the run (stop_run), and the
     exception goes on."""
+    copy = None
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f if stamp is None else subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True, **popen_kw)
-        copy = None
-        if stamp is not None:   # a thread of its own, so the lines of a run that is stopping still come
-            copy = threading.Thread(target=stamped, args=(proc.stdout, f, stamp), daemon=True)
-            copy.start()
         try:
+            if stamp is not None:   # a thread of its own, so the lines of a run that is stopping still come
+                copy = threading.Thread(target=stamped, args=(proc.stdout, f, stamp), daemon=True)
+                copy.start()
             proc.wait()
         except BaseException:
             stop_run(proc)
@@ -143,18 +143,36 @@ def run_to_end(cmd, log, script, what, stamp=None, **popen_kw):
 def stop_run(proc):
     """Stop Popen `proc`, started in a session of its own (demo/run_demo.py, the deepspeed launcher): SIGTERM to
     its process group, which both take as a stop of everything they started; a second stop here is passed on
-    too (run_demo: stop at once). Waited for STOP_WAIT seconds at most, then it is killed with every process
-    under it and the process groups they lead (the launcher's)."""
-    deadline = time.time() + STOP_WAIT
-    while proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):   # it ended meanwhile
-            os.killpg(proc.pid, signal.SIGTERM)
+    too (run_demo: stop at once). Waited for until no process of that group runs (the deepspeed runner dies
+    at SIGTERM, and its launch.py stops the ranks after it), STOP_WAIT seconds at most; then all of them are
+    killed, with every process under `proc` and the process groups they lead (the launcher's)."""
+    deadline, asked = time.time() + STOP_WAIT, False
+    while proc.poll() is None or left_in_group(proc.pid):
         try:
-            proc.wait(timeout=max(0.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            kill_all_under(proc)
+            if not asked:
+                with contextlib.suppress(ProcessLookupError):   # all ended meanwhile
+                    os.killpg(proc.pid, signal.SIGTERM)
+                asked = True
+            if time.time() > deadline:
+                kill_all_under(proc)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                return
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.2)
         except BaseException:   # a second stop, passed on
-            continue
+            asked = False
+
+
+def left_in_group(pgid):
+    """The processes of group `pgid` still running (a zombie waiting to be reaped is not)."""
+    import psutil
+    left = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):   # it ended while we looked
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+    return left
 
 
 def stamped(pipe, f, stamp):

@@ -180,12 +180,14 @@ def main(argv=None):
             if demo.wait() != 0:
                 raise SystemExit(f"profile_step.py: the demo failed: {log.name}")
         finally:
-            # an error or a stop here ends the samplers and the demo (which stops what it started)
-            for spy in spies.values():
-                if spy.poll() is None:
-                    spy.terminate()
-                    spy.wait()
-            stop_run(demo)
+            # an error or a stop here ends the demo (which stops what it started), then the samplers
+            try:
+                stop_run(demo)
+            finally:
+                for spy in spies.values():
+                    if spy.poll() is None:
+                        spy.terminate()
+                        spy.wait()
     steps = step1 - step0
     if steps < 5:
         raise SystemExit(f"only {steps} steps in the window: raise --seconds or --steps")

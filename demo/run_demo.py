@@ -102,7 +102,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=60, help="GRPO optimizer steps")
     p.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N steps")
     p.add_argument("--world-size", type=int, default=1, help="training processes (deepspeed --num_gpus)")
-    p.add_argument("--model", default=None, help="use this warm-started model instead of building one")
+    p.add_argument("--model", default=None, help="folder of a warm-started model to use instead of building one")
     p.add_argument("--seed", type=int, default=0, help="seed for the model, warm start and run")
     p.add_argument("--ref-servers", type=int, default=1,
                    help="reference servers (each on a port of its own; the batch is split across them)")

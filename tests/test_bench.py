@@ -323,6 +323,7 @@ def test_a_run_that_outlives_its_stop_is_killed_with_what_it_started(tmp_path):
     killed STOP_WAIT seconds later, with the process it started in a session of its own, and the Ctrl-C goes
     on; a run that fails is one line naming the script, its exit code and its log."""
     import psutil
+    from conftest import running
     pids = tmp_path / "pids"
     driver = ("import sys; sys.path.insert(0, 'bench'); import _common; _common.STOP_WAIT = 2; "
               "_common.run_to_end(sys.argv[2:], sys.argv[1], 'bench', 'the run')")
@@ -339,7 +340,29 @@ def test_a_run_that_outlives_its_stop_is_killed_with_what_it_started(tmp_path):
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == -signal.SIGINT and "KeyboardInterrupt" in proc.stderr.read()
     assert time.time() - asked >= 2 and len(run) == 3
-    assert not [p for p in run if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in run if running(p)]
     failed = subprocess.run([sys.executable, "-c", driver, log, "sh", "-c", "exit 3"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert (failed.returncode, failed.stderr) == (1, f"bench: the run failed (exit code 3); its log: {log}\n")
+
+
+def test_a_stop_waits_for_every_process_of_the_runs_group(tmp_path):
+    """As with the deepspeed runner started by remote_engines.py: the run's own process dies at the SIGTERM
+    a Ctrl-C is passed on as, while another process of its group takes a while to stop (launch.py stopping
+    the ranks). run_to_end goes on with the Ctrl-C only once that one has ended too."""
+    stopped, ready = tmp_path / "stopped", tmp_path / "ready"
+    slow = ("import signal, sys, time\n"
+            "def stop(*_):\n    time.sleep(1.5)\n    open(sys.argv[1], 'w').write('stopped')\n    sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, stop)\nopen(sys.argv[2], 'w').write('ready')\ntime.sleep(1000)\n")
+    driver = ("import sys; sys.path.insert(0, 'bench'); import _common; "
+              "_common.run_to_end(sys.argv[2:], sys.argv[1], 'bench', 'the run')")
+    run = f'{sys.executable} -c "$0" {stopped} {ready} & wait'
+    proc = subprocess.Popen([sys.executable, "-c", driver, str(tmp_path / "run.log"), "sh", "-c", run, slow],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not ready.exists():
+        assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == -signal.SIGINT
+    assert stopped.exists()

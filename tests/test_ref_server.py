@@ -341,7 +341,7 @@ def test_a_model_transformers_cannot_load_is_one_line(tmp_path, tiny_model):
     checkpoint is never loaded): the flag and transformers' first line, not its traceback."""
     (tmp_path / "bin").mkdir()
     shutil.copy(os.path.join(tiny_model, "config.json"), tmp_path / "bin")
-    for model, said in (("nobody/no-such-model", "nobody/no-such-model"),
+    for model, said in (("nobody/no-such-model", "huggingface.co"),
                         (str(tmp_path / "bin"), "model.safetensors")):
         r = subprocess.run([sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", model,
                             "--port", str(next_port())], capture_output=True, text=True, timeout=120,
