@@ -27,14 +27,16 @@ import collections
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from statistics import median
 
 from _common import demo_model, machine, model_given, n_params, print_table, random_config
 
+# the models --sizes may name
+SIZES = ("demo", "100m")
 # ~104M parameters with the demo's character vocabulary (tied embeddings)
 MODEL_100M = dict(hidden=768, layers=11, heads=12, intermediate=3072)
 OLD_BUCKET_BYTES = 16 * 2**20
@@ -301,10 +303,6 @@ PHASES = ["rank 0: snapshot copy", "rank 0: probe forward", "rank 0: the push, e
           "engine: probe, a request of its own", "engine: the probe riding a batch", "engine: batch"]
 
 
-def median(xs):
-    return statistics.median(xs)
-
-
 def run_child(size, a):
     cmd = [sys.executable, __file__, "--child", size, "--reps", str(a.reps), "--threads", str(a.threads)]
     cmd += (["--model", a.model] if a.model else []) + (["--profile"] if a.profile else [])
@@ -318,7 +316,7 @@ def run_child(size, a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="demo,100m", help="comma-separated: demo, 100m")
+    p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated: {', '.join(SIZES)}")
     p.add_argument("--model", help="local HF model folder for 'demo' (default: the demo's warm-started model)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions of each (median)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the trainer's --threads default)")
@@ -330,8 +328,9 @@ def main():
         with tempfile.TemporaryDirectory() as a.tmp:
             print("RESULT " + json.dumps((profile if a.profile else measure)(a.child, a)))
         return
-    if unknown := [size for size in a.sizes.split(",") if size not in ("demo", "100m")]:
-        raise SystemExit(f"weight_sync.py: --sizes {a.sizes}: no model named {', '.join(unknown)} (known: demo, 100m)")
+    if unknown := [size for size in a.sizes.split(",") if size not in SIZES]:
+        raise SystemExit(f"weight_sync.py: --sizes {a.sizes}: no model named {', '.join(unknown)} "
+                         f"(known: {', '.join(SIZES)})")
     if a.model:
         model_given(a.model, "weight_sync.py")
     results = [run_child(size, a) for size in a.sizes.split(",")]
