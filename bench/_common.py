@@ -39,6 +39,14 @@ def model_given(path, script):
     return path
 
 
+def count(text):
+    """argparse type of a bench script's counts (--reps, --steps, --seqs, --threads): "3" -> 3. Below 1 is
+    argparse's one line naming the flag, where it was a traceback or a table of zeros."""
+    if int(text) < 1:
+        raise ValueError(text)
+    return int(text)
+
+
 def random_config(hidden, layers, heads, kv_heads=None, intermediate=None, vocab=None, max_len=4096):
     """A Qwen2 config (tied embeddings); vocab defaults to the demo's character tokenizer's."""
     from transformers import Qwen2Config
@@ -104,13 +112,21 @@ def print_table(headers, rows):
         print(line(r))
 
 
-def stop_signals_raise():
+def end_on_stops():
     """SIGTERM and SIGHUP (`timeout`, `kill`, a closed terminal or ssh session) end the script as
     Ctrl-C does, by raising, so that its `finally`s stop what it started (as demo/run_demo.py does);
-    one left ignored (SIGHUP under nohup) stays ignored."""
+    one left ignored (SIGHUP under nohup) stays ignored. A Ctrl-C then ends it in one line, not in a
+    traceback, and still as a Ctrl-C does (exit status 130 in a shell)."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) != signal.SIG_IGN:
             signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+
+    def one_line(kind, value, tb):
+        if issubclass(kind, KeyboardInterrupt):
+            print(f"{os.path.basename(sys.argv[0])}: stopped (Ctrl-C)", file=sys.stderr)
+        else:
+            sys.__excepthook__(kind, value, tb)
+    sys.excepthook = one_line
 
 
 def run_to_end(cmd, log, script, what, stamp=None, **popen_kw):
@@ -119,7 +135,7 @@ def run_to_end(cmd, log, script, what, stamp=None, **popen_kw):
     comes, where given. An exit code other than 0 is one line naming `script`, `what` (e.g. "the demo run")
     and the log.
     The run gets a session of its own, so a terminal's Ctrl-C reaches this script alone: anything that ends
-    the wait (Ctrl-C; SIGTERM or SIGHUP after stop_signals_raise; an error) stops the run (stop_run), and the
+    the wait (Ctrl-C; SIGTERM or SIGHUP after end_on_stops; an error) stops the run (stop_run), and the
     exception goes on."""
     copy = None
     with open(log, "w") as f:

@@ -24,7 +24,7 @@ import time
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-from _common import BIG, demo_model, machine, model_given, print_table, random_model  # noqa: E402
+from _common import BIG, count, demo_model, machine, model_given, print_table, random_model  # noqa: E402
 
 
 def hf_side(path, prompts, a):
@@ -90,12 +90,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="local HF model folder (default: the demo's warm-started model)")
     p.add_argument("--size", choices=["demo", "big"], default="demo", help="big: a random ~67M-parameter model")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per call (the demo's prompts)")
-    p.add_argument("--n", type=int, default=8, help="completions per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 12 (demo), 32 (big)")
+    p.add_argument("--prompts", type=count, default=16, help="prompts per call (the demo's prompts)")
+    p.add_argument("--n", type=count, default=8, help="completions per prompt")
+    p.add_argument("--max-new-tokens", type=count, default=None, help="default: 12 (demo), 32 (big)")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--reps", type=int, default=3, help="timed calls per side (their mean)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads for both sides")
+    p.add_argument("--reps", type=count, default=3, help="timed calls per side (their mean)")
+    p.add_argument("--threads", type=count, default=2, help="torch threads for both sides")
     a = p.parse_args()
     if a.model:
         model_given(a.model, "generation.py")

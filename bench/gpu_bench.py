@@ -28,7 +28,7 @@ import tempfile
 import time
 from functools import partial
 
-from _common import ROOT, machine, n_params, print_table, random_model, stop_signals_raise
+from _common import ROOT, count, end_on_stops, machine, n_params, print_table, random_model
 
 VOCAB = 151936
 CONFIGS = {"qwen2.5-0.5b": dict(hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2, vocab=VOCAB),
@@ -173,14 +173,14 @@ def main():
     p.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b",
                    help=f"comma-separated, of {list(CONFIGS)}")
     p.add_argument("--tiny", action="store_true", help="the tiny config and workload (CPU, for the test)")
-    p.add_argument("--prompts", type=int, default=64, help="generation: prompts per call")
-    p.add_argument("--group-size", type=int, default=8, help="generation: completions per prompt")
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (generation and training)")
-    p.add_argument("--new-tokens", type=int, default=512, help="completion tokens (generation and training)")
+    p.add_argument("--prompts", type=count, default=64, help="generation: prompts per call")
+    p.add_argument("--group-size", type=count, default=8, help="generation: completions per prompt")
+    p.add_argument("--prompt-len", type=count, default=256, help="prompt tokens (generation and training)")
+    p.add_argument("--new-tokens", type=count, default=512, help="completion tokens (generation and training)")
     p.add_argument("--gen-mem", type=float, default=0.5, help="vLLM gpu_memory_utilization")
-    p.add_argument("--batch", type=int, default=64, help="training: sequences per optimizer step")
-    p.add_argument("--micro-batch", type=int, default=8, help="training: sequences per forward/backward")
-    p.add_argument("--steps", type=int, default=3, help="training: timed optimizer steps (after one warm-up)")
+    p.add_argument("--batch", type=count, default=64, help="training: sequences per optimizer step")
+    p.add_argument("--micro-batch", type=count, default=8, help="training: sequences per forward/backward")
+    p.add_argument("--steps", type=count, default=3, help="training: timed optimizer steps (after one warm-up)")
     p.add_argument("--grad-ckpt", action="store_true", help="training: gradient checkpointing")
     p.add_argument("--ds-config", default="ds_config.json",
                    help="training: DeepSpeed config (relative to the repository root)")
@@ -205,7 +205,7 @@ def main():
                      for k in ("prompts", "group_size", "prompt_len", "new_tokens", "gen_mem", "batch",
                                "micro_batch", "steps", "ds_config")] + ["--grad-ckpt"] * a.grad_ckpt
     # a stop ends the phases running (the `finally` below) before their model's folder goes
-    stop_signals_raise()
+    end_on_stops()
     import torch
     peak = a.peak_tflops or (989.0 if torch.cuda.is_available() else None)
     rows = []

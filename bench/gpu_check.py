@@ -48,7 +48,7 @@ import tempfile
 import threading
 import time
 
-from _common import ROOT, fresh_out_dir, random_model, stop_at_random_lengths, stop_signals_raise
+from _common import ROOT, count, end_on_stops, fresh_out_dir, random_model, stop_at_random_lengths
 from gpu_bench import CONFIGS, train_flops
 from plot import step_lines
 
@@ -283,14 +283,14 @@ def main():
     p.add_argument("--no-bench", action="store_true", help="skip bench/gpu_bench.py")
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=["qwen2.5-0.5b", "qwen2.5-1.5b"],
                    help="the random model's shape (GPU)")
-    p.add_argument("--steps", type=int, help="GRPO steps (default: 20; --tiny: 3; --quick: 5)")
+    p.add_argument("--steps", type=count, help="GRPO steps (default: 20; --tiny: 3; --quick: 5)")
     p.add_argument("--grad-ckpt", action="store_true",
                    help="train with gradient checkpointing (docs/gpu.md: the 1.5B shape on one 80 GB GPU)")
     a = p.parse_args()
     # `timeout`, `kill` or a closed ssh session end the check through the `finally`s below, which
     # stop the GRPO run (its launcher has a session of its own: no signal to this one reaches it)
     # and the bench
-    stop_signals_raise()
+    end_on_stops()
     try:
         import torch
     except ImportError:   # make gpu-check runs the python of the shell, which may lack the requirements

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from _common import ROOT, machine, print_table, random_config, random_model, timed
+from _common import ROOT, count, machine, print_table, random_config, random_model, timed
 from gpu_bench import CONFIGS
 
 
@@ -162,10 +162,10 @@ def main():
                    help=f"comma-separated, of {list(CONFIGS)}")
     p.add_argument("--device", default=None,
                    help="ref_server.py's --device (default: cuda:0 if there is a GPU)")
-    p.add_argument("--seqs", type=int, default=32, help="ref: sequences per request")
-    p.add_argument("--prompt-len", type=int, default=256, help="ref: prompt tokens per sequence")
-    p.add_argument("--completion-len", type=int, default=512, help="ref: completion tokens per sequence")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    p.add_argument("--seqs", type=count, default=32, help="ref: sequences per request")
+    p.add_argument("--prompt-len", type=count, default=256, help="ref: prompt tokens per sequence")
+    p.add_argument("--completion-len", type=count, default=512, help="ref: completion tokens per sequence")
+    p.add_argument("--reps", type=count, default=5, help="timed repetitions (median)")
     a = p.parse_args()
     if unknown := [m for m in a.models.split(",") if m not in CONFIGS]:
         raise SystemExit(f"gpu_transfer: --models {a.models}: no config named {', '.join(unknown)} "

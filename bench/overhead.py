@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-from _common import fresh_out_dir, model_given, run_to_end, stop_signals_raise
+from _common import count, end_on_stops, fresh_out_dir, model_given, run_to_end
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -97,7 +97,7 @@ def main():
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="runs/demo/model", help="warm-started demo model (make demo builds it)")
-    p.add_argument("--steps", type=int, default=60, help="steps of each run")
+    p.add_argument("--steps", type=count, default=60, help="steps of each run")
     p.add_argument("--warm-steps", type=int, default=10, help="steady state starts at this step")
     p.add_argument("--out-dir", default="runs/overhead",
                    help="the system run's folder (emptied first: new, empty, or a bench script's)")
@@ -119,7 +119,7 @@ def main():
     fresh_out_dir(a.out_dir, "overhead.py", keep=[a.model])
     os.makedirs(os.path.join(out, "alone"))
     # SIGTERM and SIGHUP stop the run going as Ctrl-C does (run_to_end)
-    stop_signals_raise()
+    end_on_stops()
     wall = system_run(a, extra, out)
     run_to_end([sys.executable, __file__, "--alone", "--model", a.model, "--steps", str(a.steps), "--warm-steps",
                 str(a.warm_steps), "--out-dir", out, "--", *extra], os.path.join(out, "alone.log"), "overhead.py",

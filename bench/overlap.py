@@ -17,7 +17,7 @@ import os
 import sys
 from statistics import fmean
 
-from _common import ROOT, demo_model, machine, print_table, run_to_end, stop_signals_raise
+from _common import ROOT, count, demo_model, end_on_stops, machine, print_table, run_to_end
 from plot import BadLine, step_lines
 
 
@@ -39,13 +39,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--metrics", help="read this metrics.jsonl instead of running the demo")
     p.add_argument("--model", help="warm-started model for the demo run (default: built once into runs/bench)")
-    p.add_argument("--steps", type=int, default=60, help="demo steps (the demo's default)")
+    p.add_argument("--steps", type=count, default=60, help="demo steps (the demo's default)")
     p.add_argument("--eval-every", type=int, default=10, help="demo held-out evaluation every N steps (0: none)")
     p.add_argument("--gen-devices", help="grpo_train.py --gen-devices for the demo run, e.g. 0,1 (two engines)")
-    p.add_argument("--ref-servers", type=int, default=1, help="reference servers of the demo run")
+    p.add_argument("--ref-servers", type=count, default=1, help="reference servers of the demo run")
     a = p.parse_args()
     # SIGTERM and SIGHUP stop the demo run as Ctrl-C does (run_to_end)
-    stop_signals_raise()
+    end_on_stops()
     path = a.metrics or run_demo(a)
     try:
         rows = step_lines(path)

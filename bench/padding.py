@@ -25,7 +25,7 @@ import argparse
 import math
 import random
 
-from _common import print_table
+from _common import count, print_table
 from data_files import DataError, data_file, read_records
 from tasks import chat_prompt
 
@@ -49,7 +49,7 @@ def stand_in_lengths(data, tokenizer):
             [encode(r["answer"]) + 1 for r in records])
 
 
-def count(plan):
+def token_counts(plan):
     """plan: each rank's [(micro-batch, weight)] -> (real tokens, padded positions, positions with waits)."""
     # imported here and in main: batches imports torch, which --help need not wait for
     from batches import pad_batch
@@ -69,11 +69,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="GSM8K's folder (train.jsonl) or training file")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer (default: the demo's char tokenizer)")
-    p.add_argument("--seqs", type=int, default=64, help="sequences per step")
-    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    p.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
-    p.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="training ranks to show")
-    p.add_argument("--steps", type=int, default=200, help="random batches averaged over")
+    p.add_argument("--seqs", type=count, default=64, help="sequences per step")
+    p.add_argument("--group-size", type=count, default=8, help="completions per prompt")
+    p.add_argument("--micro-batch", type=count, default=8, help="sequences per micro-batch")
+    p.add_argument("--ranks", type=count, nargs="+", default=[1, 4], help="training ranks to show")
+    p.add_argument("--steps", type=count, default=200, help="random batches averaged over")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     try:
@@ -108,7 +108,7 @@ def main():
             totals = [0, 0, 0]
             for seqs in batches:
                 plan = [cut(seqs[rank::world], seqs, world, a.micro_batch) for rank in range(world)]
-                totals = [t + c for t, c in zip(totals, count(plan))]
+                totals = [t + c for t, c in zip(totals, token_counts(plan))]
             real, padded, waits = totals
             rows.append([world, name, len(plan[0]), f"{real / a.steps:,.0f}", f"{1 - real / padded:.1%}",
                          f"{1 - real / waits:.1%}"])

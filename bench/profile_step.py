@@ -29,7 +29,7 @@ import time
 
 import psutil
 
-from _common import fresh_out_dir, model_given, stop_run, stop_signals_raise
+from _common import count, end_on_stops, fresh_out_dir, model_given, stop_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,7 +132,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=400, help="demo steps (the window must end before the run)")
+    p.add_argument("--steps", type=count, default=400, help="demo steps (the window must end before the run)")
     p.add_argument("--warm-steps", type=int, default=30, help="start sampling after this step")
     p.add_argument("--seconds", type=float, default=20, help="sampling window")
     p.add_argument("--rate", type=int, default=200,
@@ -144,7 +144,7 @@ def main(argv=None):
     a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     model_given(a.model, "profile_step.py")
     out = fresh_out_dir(a.out_dir, "profile_step.py", keep=[a.model])
-    stop_signals_raise()
+    end_on_stops()
     metrics = os.path.join(out, "metrics.jsonl")
     cmd = [sys.executable, "-m", "demo.run_demo", "--model", a.model, "--out-dir", out, "--steps", str(a.steps),
            "--eval-every", str(10 * a.steps), "--", *extra]

@@ -22,8 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-from _common import (BIG, ROOT, demo_model, machine, print_table, random_model, stop_signals_raise,
-                     timed)
+from _common import BIG, ROOT, count, demo_model, end_on_stops, machine, print_table, random_model, timed
 
 TOKEN = "bench"
 
@@ -63,14 +62,14 @@ def main():
     p.add_argument("--size", choices=["demo", "big", "long"], default="demo",
                    help="big: a random ~67M-parameter model; long: the demo's shape with an 8,192-token context")
     p.add_argument("--baseline", help="another version's ref_server.py, timed side by side")
-    p.add_argument("--seqs", type=int, default=64, help="sequences per request")
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--completion-len", type=int, default=12)
-    p.add_argument("--threads", type=int, default=1, help="torch threads, both sides (the demo's server runs 1)")
-    p.add_argument("--reps", type=int, default=20, help="timed calls per side (median)")
+    p.add_argument("--seqs", type=count, default=64, help="sequences per request")
+    p.add_argument("--prompt-len", type=count, default=16)
+    p.add_argument("--completion-len", type=count, default=12)
+    p.add_argument("--threads", type=count, default=1, help="torch threads, both sides (the demo's server runs 1)")
+    p.add_argument("--reps", type=count, default=20, help="timed calls per side (median)")
     a = p.parse_args()
     # a stop ends the servers started, as an error does (the `finally` below)
-    stop_signals_raise()
+    end_on_stops()
     import torch
     torch.set_num_threads(a.threads)
     from ref_client import ref_logps, reload_reference

@@ -29,7 +29,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # vLLM's sampler helpers eager, in this process's engine and the servers, as in docs/gpu.md's CPU line and a
 # CPU engine's process (engine_process.engine_environment)
 os.environ["TORCHDYNAMO_DISABLE"] = "1"
-from _common import ROOT, demo_model, machine, print_table, run_to_end, stop_signals_raise  # noqa: E402
+from _common import ROOT, count, demo_model, end_on_stops, machine, print_table, run_to_end  # noqa: E402
 
 OUT = os.path.join(ROOT, "runs", "bench", "remote_engines")
 SERVER_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "64", "--logprobs-mode",
@@ -116,11 +116,11 @@ def share_alone(model, url, reps):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="warm-started model (default: the demo's, built once into runs/bench)")
-    p.add_argument("--engines", type=int, default=2, help="engines on each side: local ones, then servers")
-    p.add_argument("--steps", type=int, default=20, help="steps of each run")
-    p.add_argument("--rounds", type=int, default=2, help="runs on each side, alternating local and servers")
-    p.add_argument("--reps", type=int, default=30, help="generate calls timed on each side (share of a batch)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads of each engine and each server")
+    p.add_argument("--engines", type=count, default=2, help="engines on each side: local ones, then servers")
+    p.add_argument("--steps", type=count, default=20, help="steps of each run")
+    p.add_argument("--rounds", type=count, default=2, help="runs on each side, alternating local and servers")
+    p.add_argument("--reps", type=count, default=30, help="generate calls timed on each side (share of a batch)")
+    p.add_argument("--threads", type=count, default=1, help="torch threads of each engine and each server")
     p.add_argument("--worker-process", action="store_true",
                    help="servers with their worker in a process of its own (vLLM's CPU default), not in the engine's")
     a = p.parse_args()
@@ -129,7 +129,7 @@ def main():
     load = os.getloadavg()[0]
     # a stop (SIGTERM, Ctrl-C) or a server dying at its start ends the servers (the `finally`) and the run going
     # (run_to_end)
-    stop_signals_raise()
+    end_on_stops()
     procs = []
     try:
         urls = start_servers(model, a.engines, a.threads, a.worker_process, procs)

