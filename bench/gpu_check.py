@@ -48,7 +48,8 @@ import tempfile
 import threading
 import time
 
-from _common import ROOT, count, end_on_stops, fresh_out_dir, random_model, stop_at_random_lengths
+from _common import (ROOT, count, end_on_stops, fresh_out_dir, random_model, stop_at_random_lengths,
+                     stop_run)
 from gpu_bench import CONFIGS, train_flops
 from plot import step_lines
 
@@ -120,9 +121,9 @@ def run_grpo(a, s, model, out, gpus):
             said = said or re.search(r"vLLM \S+ engines? on [^;]*, weights by \w+", line)
         run.wait()
     finally:
-        if run.poll() is None:   # the launcher's whole group: deepspeed's runner does not pass signals on
-            os.killpg(run.pid, 15)
-            run.wait(timeout=60)
+        # a stop or an error here: the launcher's whole group, waited for (deepspeed's runner ends at
+        # once, its launch.py stops the ranks after it)
+        stop_run(run)
         hold.close()
     if run.returncode:
         raise SystemExit(f"gpu_check: grpo_train.py failed (exit code {run.returncode}); its output is above")
