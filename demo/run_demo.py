@@ -174,9 +174,10 @@ def main(argv=None):
         if stopped:
             raise SystemExit(128 + stopped[0])
         deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-        # the launcher at --log_level warning: its INFO lines (its environment, each rank's command) are for
-        # debugging the launcher; its warnings and errors still show
-        run = subprocess.Popen([*IGNORING_CTRL_C, deepspeed, "--log_level", "warning",
+        # the launcher at --log_level critical, as README.md launches: its lines (its environment, each rank's
+        # command, "no hostfile", the exit report after a rank's one-line error) are for debugging the
+        # launcher; a failed run still ends in this script's line with its exit code
+        run = subprocess.Popen([*IGNORING_CTRL_C, deepspeed, "--log_level", "critical",
                                 "--num_gpus", str(a.world_size), "--master_port", str(master_port),
                                 "grpo_train.py", "--model", model_dir, "--out-dir", out,
                                 *(["--ref-url", ",".join(urls)] if urls else []),

@@ -432,6 +432,18 @@ def test_the_demo_names_its_own_flag_when_beta_0_leaves_its_servers_nothing_to_d
     assert not os.listdir(tmp_path)
 
 
+def test_a_mistake_the_trainer_finds_ends_the_demo_in_its_line_and_the_demos(tmp_path, tiny_model):
+    """A trainer flag after `--` that the trainer refuses (`--lr -1`): the trainer's one line, then the
+    demo's line with the exit code, and no line of the launcher's (its "no hostfile" warning, its error line
+    repeating the rank's whole command), as at README.md's --log_level critical."""
+    p = subprocess.run([sys.executable, "-m", "demo.run_demo", "--model", tiny_model, "--out-dir", str(tmp_path),
+                        "--", "--lr", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and p.stderr.splitlines()[-2:] == [
+        "grpo_train.py: --lr must be > 0", "run_demo: grpo_train.py failed (exit code 1)"], out[-3000:]
+    assert not [line for line in out.splitlines() if LAUNCHER_LINE.match(line)], out[-3000:]
+
+
 def test_the_demo_refuses_a_file_as_its_folder_and_a_trainers_folder_of_its_own(tmp_path):
     """--out-dir naming a file (a FileExistsError traceback), and --out-dir after `--`, which sent
     the trainer's metrics where the demo did not read them; --world-size 0 (which ran one rank) and a
