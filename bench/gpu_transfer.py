@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from _common import ROOT, count, machine, print_table, random_config, random_model, timed
+from _common import ROOT, count, end_on_stops, machine, print_table, random_config, random_model, timed
 from gpu_bench import CONFIGS
 
 
@@ -170,6 +170,8 @@ def main():
     if unknown := [m for m in a.models.split(",") if m not in CONFIGS]:
         raise SystemExit(f"gpu_transfer: --models {a.models}: no config named {', '.join(unknown)} "
                          f"(known: {', '.join(CONFIGS)})")
+    # `kill` or a closed ssh session stop the reference server it starts, as Ctrl-C does (its finally)
+    end_on_stops()
     import torch
     device = a.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     rows = []
