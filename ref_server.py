@@ -317,7 +317,6 @@ def make_app(served, args):
         request = decode_request(checked_body("application/octet-stream"), **limits)
         with lock:
             logps = compute_logps(served, *request)
-        # the request was valid: the model is at fault (500)
         if not all(torch.isfinite(t).all() for t in logps):
             bottle.abort(500, "the reference model gave non-finite log-probs (weights, dtype?)")
         bottle.response.content_type = "application/octet-stream"
@@ -339,7 +338,6 @@ def make_app(served, args):
             served.load_state_dict(weights, strict=True)
             health.update(model=folder, fingerprint=model_fingerprint(served))
         return health
-
     return app
 
 class JsonError(Error):
@@ -373,7 +371,6 @@ def serve(app, args):
 
     class Server(TcpWSGIServer):
         channel_class = type("Channel", (HTTPChannel,), {"parser_class": Parser})
-
         # every second (cleanup_interval), on the reading thread, in place of waitress's own (whose
         # channel_timeout counts silence only): idle connections closed, late requests answered 408
         def maintenance(self, now):
@@ -427,8 +424,11 @@ def parse_args(argv=None):
     add("--body-timeout", type=float, default=60.0, help="seconds to send a request (else 408)")
     add("--insecure", action="store_true", help="allow a non-loopback --host without a token")
     args = p.parse_args(argv)
+    bad = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if type(v) in (int, float)
+           and not (0 <= v < 2**16 if k == "port" else 0 < v < float("inf"))]
     # exits with status 2, before loading anything or binding the port
-    if err := exposure_error(args.host, args.token, args.insecure) or missing_folder(args.model):
+    if err := bad and f"{', '.join(bad)}: out of range" or exposure_error(
+            args.host, args.token, args.insecure) or missing_folder(args.model):
         p.error(err)
     args.max_body = int(args.max_body_mb * 2**20)
     return args

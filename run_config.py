@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import shlex
 import sys
@@ -138,6 +139,8 @@ def config_argv(path, parser):
             config = yaml.safe_load(f)
     except OSError as e:
         stop_with(f"--config {path}: {e.strerror}")
+    except UnicodeDecodeError as e:
+        stop_with(f"--config {path}: not a text file (byte {e.start} is not UTF-8)")
     except yaml.YAMLError as e:
         stop_with(f"--config {path}: not YAML{yaml_problem(e)}")
     if config is None:
@@ -188,6 +191,11 @@ def parse_flags(parser, argv=None):
     words = (config_argv(path, parser) if path else []) + argv
     args = parser.parse_args(words)
     given = given_flags(parser, words)
+    # argparse's float takes "nan" and "inf" (in the YAML file too: .nan, .inf), which no flag means: one
+    # line, before a timeout overflows or vLLM refuses its sampling parameters in the generation process
+    if not_finite := out_of_range(lambda v: v is None or math.isfinite(v), **{
+            a.dest: getattr(args, a.dest) for a in parser._actions if a.type is float}):
+        stop_with(f"{not_finite} must be a finite number")
     if args.beta == 0 and args.ref_url and not args.eval_only:
         stop_with("--ref-url names reference servers, but --beta 0 trains without a reference: drop "
                   "--ref-url, or give --beta > 0")

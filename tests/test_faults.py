@@ -990,9 +990,11 @@ def test_a_trainer_killed_before_its_first_push_leaves_no_engine(tmp_path, tiny_
 
 def test_mistakes_of_the_config_file_and_the_logging_flags_are_one_line(tmp_path, capsys, monkeypatch):
     """--config: an unknown key (help among them: it printed the help and exited 0), a file that is not
-    YAML, a switch given a word; --beta 0 with a --ref-url that it would ignore; --wandb or --tensorboard
-    without their package (refused before anything starts, naming what to install); an empty data file.
-    Each: one line, exit status 1."""
+    YAML, one that is not text (a UnicodeDecodeError traceback), a switch given a word; a float flag given
+    nan or inf, on the command line or in the file (argparse takes them: --dist-timeout inf overflowed the
+    rendezvous' timeout, --temperature inf failed in the generation process); --beta 0 with a --ref-url that
+    it would ignore; --wandb or --tensorboard without their package (refused before anything starts, naming
+    what to install); an empty data file. Each: one line, exit status 1."""
     from grpo_train import get_args
     from run_setup import load_prompts
     from demo.tiny_model import build_tokenizer
@@ -1000,6 +1002,8 @@ def test_mistakes_of_the_config_file_and_the_logging_flags_are_one_line(tmp_path
     (tmp_path / "help.yaml").write_text("model: m/m\nhelp: true\n")
     (tmp_path / "broken.yaml").write_text("model: [m/m\n")
     (tmp_path / "switch.yaml").write_text("model: m/m\ngrad_ckpt: yes please\n")
+    (tmp_path / "binary.yaml").write_bytes(b"model: m/m\n\xff\xfe")
+    (tmp_path / "inf.yaml").write_text("model: m/m\nlr: .inf\n")
     (tmp_path / "empty.jsonl").write_text("")
     monkeypatch.setitem(sys.modules, "wandb", None)   # as if not installed: find_spec says None
     monkeypatch.setitem(sys.modules, "tensorboard", None)
@@ -1008,6 +1012,11 @@ def test_mistakes_of_the_config_file_and_the_logging_flags_are_one_line(tmp_path
              (["--config", str(tmp_path / "help.yaml")], "--config .*help.yaml: unknown key 'help'"),
              (["--config", str(tmp_path / "broken.yaml")], r"--config .*broken.yaml: not YAML \(line 2, column 1\)"),
              (["--config", str(tmp_path / "switch.yaml")], "--config .*switch.yaml: grad_ckpt: true or false"),
+             (["--config", str(tmp_path / "binary.yaml")],
+              r"--config .*binary.yaml: not a text file \(byte 11 is not UTF-8\)$"),
+             (["--config", str(tmp_path / "inf.yaml")], "--lr must be a finite number$"),
+             (["--model", "m/m", "--temperature", "inf", "--dist-timeout", "nan", "--is-max", "inf"],
+              "--temperature, --is-max, --dist-timeout must be a finite number$"),
              (["--model", "m/m", "--beta", "0", "--ref-url", "http://127.0.0.1:9"],
               "--ref-url names reference servers, but --beta 0 trains without a reference"),
              (["--model", "m/m", "--wandb"], r"--wandb needs the wandb package, which is not installed: pip "

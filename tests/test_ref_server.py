@@ -312,6 +312,21 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
     assert r.stderr.splitlines() == [f"ref_server: cannot listen on 127.0.0.1:{port}: Address already in use"]
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--threads", "0"], "--threads 0"),   # torch.set_num_threads' traceback
+    (["--max-body-mb", "inf"], "--max-body-mb inf"),   # int(inf): an OverflowError traceback
+    (["--port", "-5"], "--port -5"),   # waitress's ValueError traceback
+    (["--port", "65536", "--max-tokens", "0", "--header-timeout", "nan"],   # every request 413 or 408
+     "--port 65536, --max-tokens 0, --header-timeout nan")])
+def test_a_number_out_of_range_is_one_line_before_the_model_loads(flags, said):
+    """Every number above 0 and finite (argparse's float takes nan and inf), --port 0 (any free one) to
+    65535: argparse's line naming each flag out of range, exit status 2, before the model loads."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "ref_server.py"), "--model", "/nonexistent",
+                        *flags], capture_output=True, text=True, timeout=60, env=env_without_token())
+    assert r.returncode == 2 and r.stderr.splitlines()[-1] == f"ref_server.py: error: {said}: out of range", \
+        r.stderr
+
+
 @pytest.mark.parametrize("model", ["runs/no-such-run/model", "./nope", "/nonexistent"])
 def test_a_model_folder_that_is_not_there_is_one_line(tmp_path, model):
     """A path (two slashes, or . / ~ first) that names no folder: the flag's error, not transformers'
