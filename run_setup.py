@@ -170,6 +170,8 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
          "trains on, or cpu), or name one (--ref-url)"),
         (ref_device not in (None, "cpu") and not ref_device.isdigit(),
          f"--ref-device {ref_device}: a GPU index (0, 1, ...) or cpu"),
+        (str(ref_device).isdigit() and not torch.cuda.is_available(),
+         f"--ref-device {ref_device}: torch sees no GPU here; leave it out (the server runs on CPU)"),
         (bad_gpu, bad_gpu),
         (shared and (gen_mem or 0) > SHARED_GEN_MEM,
          f"--gen-mem {gen_mem}: a vLLM engine on a training GPU may take at most {SHARED_GEN_MEM} of it (the "

@@ -883,8 +883,9 @@ def test_a_gpu_the_machine_lacks_is_one_line_naming_its_flag(capsys, monkeypatch
     """--gen-device(s) and --ref-device index the machine's GPUs, as NVML counts them (the launcher's
     CUDA_VISIBLE_DEVICES hides the others from torch.cuda.device_count()). One beyond them was vLLM's or the
     reference server's traceback, then "the generation process died ... device 7"; it is one line naming the
-    flag. The rule (placement.missing_gpu), then check_config on a pretend 2-GPU machine whose launcher made one
-    visible (torch.cuda.is_available and NVML's count are the things patched)."""
+    flag. The rule (placement.missing_gpu), then check_config on a machine without CUDA (a --ref-device GPU
+    there) and on a pretend 2-GPU machine whose launcher made one visible (torch.cuda.is_available and NVML's
+    count are the things patched)."""
     from grpo_train import get_args
     from placement import machine_gpus, missing_gpu
     from run_setup import check_config
@@ -900,6 +901,13 @@ def test_a_gpu_the_machine_lacks_is_one_line_naming_its_flag(capsys, monkeypatch
     assert missing_gpu(None, 9, [9], "9") is None
     # here: no CUDA (or no NVML) is a count not known
     assert machine_gpus() is None if not torch.cuda.is_available() else machine_gpus() >= torch.cuda.device_count()
+    # a machine without CUDA: the reference server a --ref-device GPU names ended in torch's traceback
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        check_config(1, **vars(get_args(["--model", "m/m", "--ref-device", "3"])))
+    assert e.value.code == 1 and capsys.readouterr().err == (
+        "grpo_train.py: --ref-device 3: torch sees no GPU here; leave it out (the server runs on CPU)\n")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")

@@ -267,6 +267,10 @@ def test_custom_task_errors_name_the_file_and_the_column(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": [{"role": "user", "content": "hi"}], "answer": "a"}])
     with pytest.raises(ValueError, match=r"train.jsonl:1: the 'prompt' column must be text, not list"):
         tasks.load_task("custom", "train", data=str(tmp_path), tokenizer=TOK)
+    # vLLM refused it in the generation process, with its traceback, at the first batch
+    write_jsonl(tmp_path / "train.jsonl", [MINE[0], {"prompt": " ", "answer": "a"}])
+    with pytest.raises(ValueError, match=r"train.jsonl:2: the 'prompt' column is empty$"):
+        tasks.load_task("custom", "train", data=str(tmp_path), tokenizer=TOK, chat_template="none")
     with pytest.raises(ValueError, match="--task custom reads --data"):
         tasks.load_task("custom", "train", tokenizer=TOK)
     with pytest.raises(tasks.DataError, match="--task nope: unknown.*custom"):
