@@ -132,7 +132,8 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
     negative = out_of_range(lambda v: v >= 0, max_staleness=max_staleness, keep_checkpoints=keep_checkpoints,
                             beta=beta, eps_low=eps_low, eps_high=eps_high, std_floor=std_floor,
                             sync_tol=sync_tol, ref_wait=ref_wait, gen_device=gen_device,
-                            eval_every=eval_every, save_every=save_every)
+                            eval_every=eval_every, save_every=save_every, ref_sync_every=ref_sync_every,
+                            log_every=more.get("log_every", 0), log_completions=more.get("log_completions", 0))
     not_positive = out_of_range(lambda v: v > 0, lr=lr, dist_timeout=dist_timeout, gen_timeout=gen_timeout)
     # an evaluation comes with a weight push (grpo_train.main), so one between pushes would never run
     evals_skipped = eval_every > 0 and eval_every % sync_every and not eval_only
@@ -147,7 +148,9 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         (evals_skipped, f"--eval-every {eval_every}: evaluations come with the weight pushes, every --sync-every "
                         f"{sync_every} steps: give a multiple of {sync_every} ({sync_every}, {2 * sync_every}, "
                         f"...)"),
-        (temperature < 1e-3, "--temperature must be >= 0.001 (the log-probs are taken at it)"),
+        # vLLM samples at 0.01 at least (sampling_params.py, 0.26 to 0.32), where the log-probs it returns
+        # and the trainer's and the reference's would be taken at the lower one
+        (temperature < 0.01, "--temperature must be >= 0.01: vLLM samples at 0.01 at least"),
         (std_floor > 0 and more.get("scale_rewards", "group") != "group",
          "--std-floor needs --scale-rewards group: it spares a group the division by its own std"),
         (not 0 <= is_min < is_max, "--is-min must be >= 0 and below --is-max"),
@@ -157,6 +160,8 @@ def check_config(world, *, model, rewards, group_size, prompts_per_step, micro_b
         (max_new_tokens >= 1 and not 0 <= overlong_buffer < max_new_tokens,
          "--overlong-buffer must be in [0, --max-new-tokens)"),
         (ref_sync_every and beta == 0, "--ref-sync-every needs a reference model (--beta > 0)"),
+        (more.get("kl_is_weight") and beta == 0, "--kl-is-weight weights the KL term, which --beta 0 leaves out"),
+        (lora_alpha is not None and not lora_rank, "--lora-alpha scales LoRA adapters: give --lora-rank too"),
         (gen_devices and prompts_per_step < len(gen_devices),
          "--prompts-per-step must be >= the number of --gen-devices: each engine samples a share"),
         (bad_url, bad_url),

@@ -618,6 +618,14 @@ OUT_OF_RANGE = [
     # numpy's "Seed must be between 0 and 2**32 - 1" killed the vLLM engine, after the start-up
     (["--seed", "-1"], SEED_RANGE),
     (["--seed", str(2**31)], SEED_RANGE),
+    # vLLM sampled at 0.01, the trainer and the reference took their log-probs at 0.001
+    (["--temperature", "0.005"], "--temperature must be >= 0.01: vLLM samples at 0.01 at least"),
+    # each was taken: the reference reloaded every step, no completion was logged
+    (["--ref-sync-every", "-1", "--log-every", "-1", "--log-completions", "-2"],
+     "--ref-sync-every, --log-every, --log-completions must be >= 0"),
+    # each was said in the start-up line and did nothing
+    (["--beta", "0", "--kl-is-weight"], "--kl-is-weight weights the KL term, which --beta 0 leaves out"),
+    (["--lora-alpha", "16"], "--lora-alpha scales LoRA adapters: give --lora-rank too"),
     (["--steps", "6", "--sync-every", "2", "--eval-every", "3"],
      "--eval-every 3: evaluations come with the weight pushes, every --sync-every 2 steps: give a multiple "
      "of 2 (2, 4, ...)"),
@@ -643,7 +651,8 @@ def test_the_edges_of_each_flags_range_pass(capsys):
                    "--ref-wait", "0", "--gen-kv-gb", "1", "--max-new-tokens", "1"],
                   ["--sync-every", "2", "--eval-every", "4"], ["--sync-every", "3", "--eval-every", "0"],
                   ["--std-floor", "0.3", "--scale-rewards", "group"], ["--scale-rewards", "batch"],
-                  ["--seed", str(2**31 - 1)],
+                  ["--seed", str(2**31 - 1)], ["--temperature", "0.01", "--kl-is-weight"],
+                  ["--lora-rank", "4", "--lora-alpha", "16"],
                   ["--sync-every", "2", "--eval-every", "3", "--eval-only"]):
         check_config(1, **vars(get_args(["--model", "m/m", *flags])))
         assert "grpo_train.py: " in capsys.readouterr().out, flags
