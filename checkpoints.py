@@ -120,6 +120,8 @@ def read_state(master, *, out_dir, resume, steps, overwrite=False, resume_with_c
     first row); a resume that would change the run is refused unless --resume-with-changes, one with another
     --model or --lora-rank always, one with no step left to take, and one into step_N folders that no
     `latest` names (one into a new or empty folder starts from --model): one line each."""
+    # --resume-with-changes is a --resume (alone, it was refused as a fresh run into a run's folder)
+    resume = resume or resume_with_changes
     # --eval-only evaluates --model as it is: with --resume it waited for an evaluation never asked for
     if eval_only and resume:
         stop_with(f"--eval-only evaluates --model; it takes no --resume: name the checkpoint "

@@ -362,7 +362,9 @@ def load_prompts(tok, *, task, data, seed, max_prompt_len, eval_size, prompt_key
         prompts = random.Random(HOLD_OUT_SEED).sample(list(rows), len(rows))
         test = [rows[prompt][0] for prompt in prompts[:eval_size]]
         held_out = {s["prompt"] for s in test}
-        repeats, train_all = len(train_all) - len(rows), [s for s in train_all if s["prompt"] not in held_out]
+        # the rows repeating a held-out prompt leave the training set with it
+        repeats = sum(len(rows[prompt]) - 1 for prompt in held_out)
+        train_all = [s for s in train_all if s["prompt"] not in held_out]
         folded = f"; split by prompt: {repeats} rows repeating a prompt folded into it" if repeats else ""
         fifth = f" (--eval-size's default on a file of {len(rows)} prompts: a fifth)" if fifth else ""
         note = (f" (no test split: {eval_size} of its rows{fifth}, a shuffle seeded {HOLD_OUT_SEED}, held out "

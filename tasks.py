@@ -243,9 +243,11 @@ def custom_samples(split: str, data: str | None, tokenizer, prompt_key: str, ans
             except ValueError as e:
                 raise DataError(f"{where}: the 'tests' column: {e}") from None
         for key, flag in ((prompt_key, "--prompt-key"), (answer_key, "--answer-key")):
-            if r.get(key) is None:
+            if key not in r:
                 raise DataError(f"{where}: no {key!r} column ({flag}); this record has "
                                 f"{', '.join(map(repr, r))}")
+            if r[key] is None:
+                raise DataError(f"{where}: the {key!r} column is null")
         if not isinstance(r[prompt_key], str):
             raise DataError(f"{where}: the {prompt_key!r} column must be text, "
                             f"not {type(r[prompt_key]).__name__}")

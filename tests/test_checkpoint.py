@@ -318,6 +318,9 @@ def test_a_resume_that_changes_the_run_says_which_flags_and_needs_consent(tmp_pa
     assert "--resume-with-changes" in line
     assert refusal(capsys, tmp_path, "--lr", "1e-6", "--resume", "--resume-with-changes") is None
     assert "resuming after step 10 from" in capsys.readouterr().out
+    # alone, as the refusal and --help word it (it was refused as a fresh run into a run's folder)
+    assert refusal(capsys, tmp_path, "--lr", "1e-6", "--resume-with-changes") is None
+    assert "resuming after step 10 from" in capsys.readouterr().out
     # another base model or LoRA shape cannot continue these weights: refused even with consent
     for argv, named in [(["--lora-rank", "8"], "--lora-rank 0; it cannot continue with --lora-rank 8"),
                         (["--model", "m/other"], "--model m/base; it cannot continue with --model m/other")]:

@@ -267,6 +267,10 @@ def test_custom_task_errors_name_the_file_and_the_column(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": [{"role": "user", "content": "hi"}], "answer": "a"}])
     with pytest.raises(ValueError, match=r"train.jsonl:1: the 'prompt' column must be text, not list"):
         tasks.load_task("custom", "train", data=str(tmp_path), tokenizer=TOK)
+    # it said "no 'answer' column", then named it among the record's
+    write_jsonl(tmp_path / "train.jsonl", [MINE[0], {"prompt": "q", "answer": None}])
+    with pytest.raises(ValueError, match=r"train.jsonl:2: the 'answer' column is null$"):
+        tasks.load_task("custom", "train", data=str(tmp_path), tokenizer=TOK)
     # vLLM refused it in the generation process, with its traceback, at the first batch
     write_jsonl(tmp_path / "train.jsonl", [MINE[0], {"prompt": " ", "answer": "a"}])
     with pytest.raises(ValueError, match=r"train.jsonl:2: the 'prompt' column is empty$"):
@@ -405,7 +409,8 @@ def test_prompts_too_long_through_the_chat_template_say_why(tmp_path, capsys):
 
 def test_duplicated_prompts_never_leak_into_the_held_out_split(tmp_path, capsys):
     """With each prompt twice in a file, the rows were held out one by one: every held-out prompt was also
-    trained on, and nothing was said. The split is by distinct prompt; the line says how many rows repeat."""
+    trained on, and nothing was said. The split is by distinct prompt; the line says how many rows repeat a
+    held-out prompt (it said 50: every repeat in the file, the 40 left to training too)."""
     rows = [{"prompt": f"question {i}", "answer": str(i)} for i in range(50)]
     write_jsonl(tmp_path / "twice.jsonl", rows + rows[::-1])
     train, held_out, _ = load_prompts(tmp_path / "twice.jsonl", eval_size=10)
@@ -414,7 +419,7 @@ def test_duplicated_prompts_never_leak_into_the_held_out_split(tmp_path, capsys)
     assert not set(prompts(train)) & set(prompts(held_out)) and len(train) == 80
     line = [x for x in capsys.readouterr().out.splitlines() if "held out" in x]
     assert len(line) == 1 and line[0].endswith(
-        "never trained on; split by prompt: 50 rows repeating a prompt folded into it)")
+        "never trained on; split by prompt: 10 rows repeating a prompt folded into it)")
 
 
 def test_unreadable_files_are_one_line_naming_the_file(tmp_path, capsys):
