@@ -87,7 +87,7 @@ def add_system_args(p):
     g.add_argument("--sync-tol", type=float, default=0.1,
                    help="fail if vLLM's probe log-probs differ from the trainer's by more (mean)")
     g.add_argument("--max-staleness", type=int, default=1,
-                   help="batches vLLM may sample ahead of training (0: on-policy, no overlap)")
+                   help="batches vLLM may sample ahead of training (0: on-policy at --sync-every 1, no overlap)")
     g.add_argument("--max-skips", type=int, default=3, help="stop after this many non-finite steps in a row")
     g.add_argument("--reward-workers", type=at_least_one, default=1,
                    help="code reward: completions jailed at once (bounded by cores and memory)")
