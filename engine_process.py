@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -390,12 +391,24 @@ def _serve(rollout, reference, engine_kw, job, train_set, eval_share, control, r
 
 def open_llm(job, engine_kw, seed, lost):
     """The engine's LLM: the vLLM server at job["url"] (--gen-urls), which calls lost(line) if it dies or
-    stalls while nothing waits on it, or else a vLLM engine of this process's own."""
+    stalls while nothing waits on it, or else a vLLM engine of this process's own, which ends the run with
+    lost(line) where vLLM refuses a flag's value as it starts."""
     if job["url"]:
         from remote_engine import ServerLLM
         return ServerLLM(job["url"], job["rank_offset"], engine_kw["model"], job["gen_timeout"], seed, lost)
     from vllm import LLM
-    return LLM(seed=seed, **engine_kw, **quiet_vllm_console(engine_kw["model"]))
+    try:
+        return LLM(seed=seed, **engine_kw, **quiet_vllm_console(engine_kw["model"]))
+    # vLLM 0.26 to 0.32: ModelConfig's length check (a pydantic ValueError) and cpu_worker.py's memory check
+    # name vLLM's settings, not the flags that set them
+    except ValueError as e:
+        if longest := re.search(r"derived max_model_len \((\S+) or", str(e)):
+            lost(f"grpo_train.py: --max-prompt-len + --max-new-tokens: {engine_kw['max_model_len']} tokens, "
+                 f"more than {engine_kw['model']} holds ({longest[1]})")
+        if "requested memory for kv" in str(e):
+            lost(f"grpo_train.py: --gen-kv-gb {os.environ.get('VLLM_CPU_KVCACHE_SPACE')}: more than this "
+                 f"machine has free for vLLM's KV cache ({str(e).partition(' on kv cache')[0]})")
+        raise
 
 
 # the key of rank 0's store under which an engine leaves the line it ends with (end_with)

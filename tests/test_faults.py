@@ -827,6 +827,25 @@ def test_each_kind_of_mistake_ends_in_one_line_through_the_launcher(tmp_path, ti
     assert rc == 1 and not said(out)[1] and (tmp_path / "out-dir" / "latest").read_text() == "step_3", out
 
 
+def test_a_value_vllm_refuses_as_it_starts_is_one_line_naming_the_flag(tmp_path, tiny_model):
+    """A completion length the model has no positions for, and a KV cache larger than the free memory: vLLM
+    refuses them as the engine starts, where its traceback named its own settings (VLLM_ALLOW_LONG_MAX_MODEL_LEN,
+    --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE). The run ends in one line naming this trainer's flags,
+    exit status 1. Launched side by side."""
+    import psutil
+    huge = psutil.virtual_memory().total // 2**30 * 4
+    runs = {}
+    for name, flags in (("length", ["--max-new-tokens", "100000"]), ("kv", ["--gen-kv-gb", str(huge)])):
+        os.makedirs(tmp_path / name)
+        runs[name] = launch(tmp_path / name, tiny_model, "--beta", "0", *flags)
+    for name, expected in (("length", rf"--max-prompt-len \+ --max-new-tokens: 100016 tokens, more than "
+                                      rf"{re.escape(tiny_model)} holds \(max_position_embeddings=\d+"),
+                           ("kv", rf"--gen-kv-gb {huge}: more than this machine has free for vLLM's KV cache")):
+        rc, out = finish(runs[name])
+        assert rc == 1 and not [sign for sign in TRACEBACKS if sign in out], out[-3000:]
+        assert re.match("grpo_train.py: " + expected, out.splitlines()[-1]), out[-3000:]
+
+
 def test_a_bad_flag_without_the_launcher_is_one_line(tiny_model):
     p = subprocess.run([sys.executable, "grpo_train.py", "--model", tiny_model, "--steps", "ten"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
