@@ -126,7 +126,8 @@ def add_run_args(p):
     g.add_argument("--wandb", action="store_true",
                    help="also log to Weights & Biases (its own settings: WANDB_PROJECT, WANDB_MODE=offline, ...)")
     p.add_argument("--config", default=None,
-                   help="a YAML file of flag: value (max_new_tokens: 512); flags on the command line win")
+                   help="a YAML file of flag: value (max_new_tokens: 512); flags on the command line win "
+                        "(--no-FLAG turns off a switch it sets)")
 
 
 def config_argv(path, parser):
@@ -189,6 +190,11 @@ def parse_flags(parser, argv=None):
     pre.add_argument("--config")
     path = pre.parse_known_args(argv)[0].config
     words = (config_argv(path, parser) if path else []) + argv
+    # --no-<switch> turns off a switch a --config file sets (not in --help: it matters only there)
+    for switch in [a for a in parser._actions if isinstance(a, argparse._StoreTrueAction)]:
+        if switch.dest not in NOT_IN_CONFIG:
+            parser.add_argument("--no-" + switch.option_strings[0][2:], dest=switch.dest, action="store_false",
+                                help=argparse.SUPPRESS)
     args = parser.parse_args(words)
     given = given_flags(parser, words)
     # argparse's float takes "nan" and "inf" (in the YAML file too: .nan, .inf), which no flag means: one

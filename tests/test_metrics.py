@@ -353,7 +353,8 @@ def test_plot_py_on_a_file_that_is_not_text_or_a_line_that_is_no_object_is_one_l
 
 
 def test_a_config_file_under_the_command_line(tmp_path, capsys):
-    """--config run.yaml: its keys under the command line's flags (which win), a switch as true, a list
+    """--config run.yaml: its keys under the command line's flags (which win, --no-FLAG for a switch it
+    sets), a switch as true, a list
     for --gen-devices, YAML's own numbers (3e-4 is a string to YAML 1.1: argparse reads it); the resolved
     config.yaml a run saves gives back the same flags."""
     from grpo_train import get_args
@@ -367,3 +368,7 @@ def test_a_config_file_under_the_command_line(tmp_path, capsys):
     again = get_args(["--config", str(tmp_path / "run" / "config.yaml")])
     assert vars(again) == {**vars(args), "config": str(tmp_path / "run" / "config.yaml"),
                            "out_dir": str(tmp_path / "run")}
+    # a switch the file sets, turned off after it (a switch had no other word: the file's won)
+    off = get_args(["--config", str(tmp_path / "run.yaml"), "--no-grad-ckpt"])
+    assert off.grad_ckpt is False and vars(off) == {**vars(args), "grad_ckpt": False, "beta": 0.1}
+    assert get_args(["--no-grad-ckpt", "--config", str(tmp_path / "run.yaml")]).grad_ckpt is False
