@@ -222,6 +222,9 @@ def parse_reward_spec(spec: str, jail: bool = True) -> list[tuple[str, float]]:
             raise ValueError(f"bad weight {weight!r} for reward {name!r}; use name[:weight], valid names: "
                              f"{', '.join(REWARDS)}")
         out.append((name, w))
+    # every reward 0: every advantage 0, nothing to learn from
+    if not any(w for _, w in out):
+        raise ValueError(f"every weight in {spec!r} is 0: no reward to learn from")
     if jail and "code" in dict(out):
         try:
             sandbox.check_jail()

@@ -44,7 +44,7 @@ def ds_config_error(path):
     """--ds-config's mistake in one line (no such file, not JSON, not a JSON object, a setting the trainer or
     DeepSpeed refuses), or None."""
     if not os.path.isfile(path):
-        return f"--ds-config {path}: no such file"
+        return f"--ds-config {path}: {'a folder, not a file' if os.path.isdir(path) else 'no such file'}"
     try:
         with open(path) as f:
             config = json.load(f)

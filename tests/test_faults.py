@@ -674,7 +674,7 @@ def test_a_ds_config_that_is_not_a_json_object_is_one_line(tmp_path, capsys):
                        ("comma.json", "not JSON (Expecting property name enclosed in double quotes, line 3, "
                                       "column 1)"),
                        ("list.json", "a JSON object of DeepSpeed's settings is expected, not a list"),
-                       ("none.json", "no such file")):
+                       ("none.json", "no such file"), (".", "a folder, not a file")):
         with pytest.raises(SystemExit) as e:
             check_config(1, **vars(get_args(["--model", "m/m", "--ds-config", str(tmp_path / name)])))
         err = capsys.readouterr().err

@@ -96,6 +96,10 @@ def test_parse_reward_spec():
             parse_reward_spec(bad)
         if "nope" in bad or bad == "":
             assert "gsm8k" in str(e.value) and "format" in str(e.value)    # names the valid rewards
+    # every advantage would be 0: the run learned nothing, and said nothing
+    with pytest.raises(ValueError, match=r"^every weight in 'demo:0,format:0' is 0: no reward to learn from$"):
+        parse_reward_spec("demo:0,format:0")
+    assert parse_reward_spec("demo:0,format:1") == [("demo", 0.0), ("format", 1.0)]
 
 
 def test_score(monkeypatch, capsys):
