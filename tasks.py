@@ -251,7 +251,7 @@ def custom_samples(split: str, data: str | None, tokenizer, prompt_key: str, ans
         if not isinstance(r[prompt_key], str):
             raise DataError(f"{where}: the {prompt_key!r} column must be text, "
                             f"not {type(r[prompt_key]).__name__}")
-        # vLLM samples nothing from an empty prompt: its error would end the run at the first batch
+        # a blank prompt asks nothing (vLLM refuses an empty one: its error ended the run at the first batch)
         if not r[prompt_key].strip():
             raise DataError(f"{where}: the {prompt_key!r} column is empty")
         check_columns(where, r, names, answer_key)
